@@ -162,7 +162,8 @@ class KVLayout:
 
         num_layers = need_int("num_hidden_layers")
         num_heads = need_int("num_attention_heads")
-        num_kv_heads = need_int("num_key_value_heads") if "num_key_value_heads" in cfg else num_heads
+        has_gqa = "num_key_value_heads" in cfg
+        num_kv_heads = need_int("num_key_value_heads") if has_gqa else num_heads
         if cfg.get("head_dim") is not None:
             head_dim = need_int("head_dim")
         else:
