@@ -1,0 +1,76 @@
+"""Token ids as little-endian uint32 `bytes`, the form the tree and the wire use.
+
+`to_token_bytes` is the one place where other forms (bytearray, memoryview, numpy arrays, lists of
+ints) are checked and converted; `bytes` pass through untouched, so hot paths pay nothing.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from radixkv.errors import InvalidArgument
+
+TokensLike: TypeAlias = bytes | bytearray | memoryview | npt.NDArray[Any] | Sequence[int]
+
+TOKEN_DTYPE = np.dtype("<u4")
+_MAX_TOKEN = 2**32
+assert array.array("I").itemsize == 4, "array code 'I' must be 32-bit on supported platforms"
+
+
+def to_token_bytes(tokens: TokensLike) -> bytes:
+    """Little-endian uint32 bytes of `tokens`; `bytes` input is returned as is (no copy).
+
+    Raises InvalidArgument for a byte length that is not a multiple of 4, a non-integer or
+    multi-dimensional array, or a token outside [0, 2**32) (naming its index and value)."""
+    if type(tokens) is bytes:
+        if len(tokens) % 4:
+            raise InvalidArgument(f"token bytes must be a multiple of 4 long, got {len(tokens)}")
+        return tokens
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        data = bytes(tokens)
+        if len(data) % 4:
+            raise InvalidArgument(f"token bytes must be a multiple of 4 long, got {len(data)}")
+        return data
+    if isinstance(tokens, np.ndarray):
+        return _array_to_bytes(tokens)
+    try:
+        packed = array.array("I", tokens)
+    except (OverflowError, TypeError):
+        for i, t in enumerate(tokens):
+            if not isinstance(t, int | np.integer) or not 0 <= t < _MAX_TOKEN:
+                raise InvalidArgument(
+                    f"token {i} is {t!r}: token ids must be integers in [0, 2**32)"
+                ) from None
+        raise
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _array_to_bytes(tokens: npt.NDArray[Any]) -> bytes:
+    if tokens.ndim != 1:
+        raise InvalidArgument(f"token array must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype.kind not in "iu":
+        raise InvalidArgument(f"token array must have an integer dtype, got {tokens.dtype}")
+    if tokens.dtype != TOKEN_DTYPE and tokens.size:
+        bad = np.flatnonzero((tokens < 0) | (tokens >= _MAX_TOKEN))
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidArgument(
+                f"token {i} is {int(tokens[i])}: token ids must be integers in [0, 2**32)"
+            )
+    return tokens.astype(TOKEN_DTYPE, copy=False).tobytes()
+
+
+def from_token_bytes(data: bytes | bytearray | memoryview) -> npt.NDArray[np.uint32]:
+    """A zero-copy uint32 view of token bytes (read-only for `bytes`)."""
+    nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
+    if nbytes % 4:
+        raise InvalidArgument(f"token bytes must be a multiple of 4 long, got {nbytes}")
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)

@@ -1,0 +1,503 @@
+"""The prefix index: a radix tree from whole token blocks to pool block ids.
+
+Edges hold whole blocks (block_size tokens, 4 bytes per token); a node's children are keyed by
+the bytes of their first block, and token runs are compared with bytes operations (in C):
+
+    root ──[A B C]──▶ n1 ──[D]────▶ n2        tokens A B C D   -> blocks 7 8 9 4
+      │                └──[E F]──▶ n3        tokens A B C E F -> blocks 7 8 9 5 6
+      └───[G]──────▶ n4
+
+A trailing partial block is never cached. Every node has a lock count (path-wide: a lock pins a
+node and all its ancestors), a hit count, and a logical tick of its last touch; a touch stamps
+the whole path with one tick, so a parent's tick is never older than its children's. Eviction
+trims blocks from the tail of the unlocked leaf that the policy picks (LRU: oldest tick), which
+is exactly per-block leaf eviction in a tree of 1-block nodes. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.errors import InvalidArgument
+from radixkv.eviction import EvictionPolicy, make_policy
+from radixkv.tokens import TokensLike, to_token_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    num_tokens: int  # a multiple of block_size
+    block_ids: tuple[int, ...]  # the blocks holding those tokens, in order
+    handle: object  # opaque; pass to lock() before the next mutating call
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    adopted: tuple[int, ...]  # now owned by the tree
+    duplicates: tuple[int, ...]  # a different block already caches that prefix: caller frees
+    num_cached_tokens: int  # tokens of the prefix that was cached before the call
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_ids: tuple[int, ...]
+    parent_block_id: int | None  # block just before block_ids[0]; None at the root
+    tokens: bytes  # exactly the tokens of block_ids
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_ids: tuple[int, ...]
+
+
+TreeEvent = BlockStored | BlockRemoved
+
+
+@dataclass(frozen=True, slots=True)
+class TreeStats:
+    num_nodes: int
+    num_cached_blocks: int
+    num_locked_blocks: int
+    num_evictable_blocks: int
+    num_evicted_blocks: int  # since creation
+    num_inserted_blocks: int  # since creation
+    max_depth_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    node_id: int
+    parent_id: int | None  # None for children of the root
+    depth_tokens: int  # tokens from the root to the end of this edge
+    tokens: bytes  # this edge
+    block_ids: tuple[int, ...]
+    lock_count: int
+    hits: int
+    last_access: float  # time.time() of the last touch
+
+
+class _Node:
+    __slots__ = (
+        "node_id",
+        "parent",
+        "children",
+        "tokens",
+        "block_ids",
+        "depth",
+        "lock_count",
+        "hits",
+        "tick",
+        "last_access",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: _Node | None,
+        tokens: bytes,
+        block_ids: list[int],
+        depth: int,
+        tick: int,
+        now: float,
+    ) -> None:
+        self.node_id = node_id
+        self.parent: _Node = parent if parent is not None else self  # the root is its own parent
+        self.children: dict[bytes, _Node] = {}
+        self.tokens = tokens
+        self.block_ids = block_ids
+        self.depth = depth  # blocks from the root to the end of this edge
+        self.lock_count = 0
+        self.hits = 0
+        self.tick = tick
+        self.last_access = now
+
+
+class _Handle:
+    """Behind MatchResult.handle: the deepest matched node and how many of its blocks matched.
+    lock() splits that node if needed and re-points `node` at the exact end of the match; a split
+    keeps the deeper half in the old node object, so a locked handle stays exact."""
+
+    __slots__ = ("tree", "node", "num_blocks", "version", "num_locks")
+
+    def __init__(self, tree: RadixTree, node: _Node, num_blocks: int, version: int) -> None:
+        self.tree, self.node, self.num_blocks, self.version = tree, node, num_blocks, version
+        self.num_locks = 0
+
+
+class RadixTree:
+    """Prefix index over whole blocks. Not thread-safe: callers serialize access."""
+
+    def __init__(
+        self,
+        block_size: int,
+        policy: str | EvictionPolicy[Any] = "lru",
+        *,
+        record_events: bool = True,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
+        self._block_size = block_size
+        self._block_bytes = 4 * block_size
+        self._policy: EvictionPolicy[_Node] = (
+            make_policy(policy) if isinstance(policy, str) else policy
+        )
+        if len(self._policy):
+            raise InvalidArgument("the eviction policy must start empty")
+        self._root = _Node(0, None, b"", [], 0, 0, time.time())
+        self._next_id = 1
+        self._tick = 0
+        self._version = 0  # bumped by every structural change; fresh handles must match it
+        self._block_index: dict[int, _Node] = {}
+        self._num_nodes = self._num_locked = self._num_evicted = self._num_inserted = 0
+        self._depth_counts = [0]  # [d] = nodes whose edge ends d blocks deep; no trailing zeros
+        self._events: list[TreeEvent] | None = [] if record_events else None
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_index)
+
+    @property
+    def num_locked_blocks(self) -> int:
+        return self._num_locked
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._block_index) - self._num_locked
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def match(self, tokens: TokensLike) -> MatchResult:
+        """Longest cached prefix of `tokens` in whole blocks. Read-only: changes no structure,
+        order or counter. The handle may be locked only before the next mutating call."""
+        node, num_blocks, block_ids = self._walk(to_token_bytes(tokens))
+        handle = _Handle(self, node, num_blocks, self._version)
+        return MatchResult(len(block_ids) * self._block_size, tuple(block_ids), handle)
+
+    def stats(self) -> TreeStats:
+        return TreeStats(
+            self._num_nodes,
+            self.num_cached_blocks,
+            self._num_locked,
+            self.num_evictable_blocks,
+            self._num_evicted,
+            self._num_inserted,
+            len(self._depth_counts) - 1,
+        )
+
+    def nodes(self) -> Iterator[NodeView]:
+        """A snapshot of every node but the root, depth-first pre-order."""
+        views, stack = [], list(reversed(self._root.children.values()))
+        while stack:
+            n = stack.pop()
+            parent_id = None if n.parent is self._root else n.parent.node_id
+            views.append(
+                NodeView(
+                    n.node_id,
+                    parent_id,
+                    n.depth * self._block_size,
+                    n.tokens,
+                    tuple(n.block_ids),
+                    n.lock_count,
+                    n.hits,
+                    n.last_access,
+                )
+            )
+            stack.extend(reversed(n.children.values()))
+        return iter(views)
+
+    def take_events(self) -> list[TreeEvent]:
+        """Drain the BlockStored / BlockRemoved events queued by mutations, oldest first."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    # -- mutations --------------------------------------------------------------------------
+
+    def lock(self, handle: object) -> None:
+        """Pin exactly the matched blocks: +1 lock count on every node of the path (splitting the
+        last edge first if the match ends inside it), touch the path and count a hit on each node.
+        A handle may be locked several times; each lock() needs its own unlock(). A handle that
+        is not locked must be fresh (no insert, evict or splitting lock since its match);
+        InvalidArgument otherwise. Locking an empty match is a no-op."""
+        h = self._check_handle(handle)
+        node = h.node
+        if node is self._root:
+            return
+        if h.num_locks == 0:
+            if h.version != self._version:
+                raise InvalidArgument("stale match handle: the tree changed since match()")
+            if h.num_blocks < len(node.block_ids):
+                node = h.node = self._split(node, h.num_blocks)
+        tick, now = self._next_tick(), time.time()
+        while node is not self._root:
+            if node.lock_count == 0:
+                self._num_locked += len(node.block_ids)
+                if not node.children:
+                    self._policy.remove(node)
+            node.lock_count += 1
+            node.hits += 1
+            node.tick, node.last_access = tick, now
+            node = node.parent
+        h.num_locks += 1
+
+    def unlock(self, handle: object) -> None:
+        """Undo one lock() of this handle; InvalidArgument if it holds none. Does not touch.
+        Unlocking an empty match is a no-op."""
+        h = self._check_handle(handle)
+        node = h.node
+        if node is self._root:
+            return
+        if h.num_locks == 0:
+            raise InvalidArgument("unlock() without a matching lock() of this handle")
+        h.num_locks -= 1
+        while node is not self._root:
+            node.lock_count -= 1
+            assert node.lock_count >= 0, f"node {node.node_id} lock count below zero"
+            if node.lock_count == 0:
+                self._num_locked -= len(node.block_ids)
+                if not node.children:
+                    self._policy.add(node)
+            node = node.parent
+
+    def insert(self, tokens: TokensLike, block_ids: Sequence[int]) -> InsertResult:
+        """Cache the full blocks of `tokens`; block_ids[i] holds block i. For the prefix that is
+        already cached, an id equal to the cached one is skipped and a different one is returned
+        in `duplicates`; the rest are adopted as a new leaf. Touches the whole path.
+        InvalidArgument (tree unchanged) for a count mismatch, a negative or repeated id, or an
+        id cached at another position."""
+        key, bb = to_token_bytes(tokens), self._block_bytes
+        num_blocks, given = len(key) // bb, list(block_ids)
+        if len(given) != num_blocks:
+            raise InvalidArgument(
+                f"got {len(given)} block ids for {num_blocks} full blocks "
+                f"({len(key) // 4} tokens, block_size {self._block_size})"
+            )
+        if not given:
+            return InsertResult((), (), 0)
+        if len(set(given)) != num_blocks:
+            i = next(i for i, b in enumerate(given) if b in given[:i])
+            raise InvalidArgument(
+                f"block id {given[i]} repeated (blocks {given.index(given[i])} and {i})"
+            )
+        if min(given) < 0:
+            raise InvalidArgument(f"block ids must be >= 0, got {min(given)}")
+        node, k, cached = self._walk(key)
+        m, index = len(cached), self._block_index
+        duplicates = []
+        if given[:m] != cached:
+            duplicates = [g for g, c in zip(given, cached, strict=False) if g != c]
+        new = given[m:]
+        if not index.keys().isdisjoint(duplicates) or not index.keys().isdisjoint(new):
+            i = next(i for i, g in enumerate(given) if g in index and (i >= m or g != cached[i]))
+            raise InvalidArgument(f"block id {given[i]} (block {i}) is already cached elsewhere")
+
+        if k < len(node.block_ids):
+            node = self._split(node, k)
+        tick, now = self._next_tick(), time.time()
+        if new:
+            if not node.children and node is not self._root and node.lock_count == 0:
+                self._policy.remove(node)  # stops being a leaf
+            leaf = _Node(
+                self._next_id,
+                node,
+                key[m * bb : num_blocks * bb],
+                new,
+                node.depth + len(new),
+                tick,
+                now,
+            )
+            self._next_id += 1
+            node.children[key[m * bb : (m + 1) * bb]] = leaf
+            index.update(dict.fromkeys(new, leaf))
+            self._policy.add(leaf)
+            self._num_nodes += 1
+            self._num_inserted += len(new)
+            self._add_depth(leaf.depth)
+            self._version += 1
+            if self._events is not None:
+                parent_block = node.block_ids[-1] if node is not self._root else None
+                self._events.append(BlockStored(tuple(new), parent_block, leaf.tokens))
+        deepest = node
+        while node is not self._root:
+            node.tick, node.last_access = tick, now
+            node = node.parent
+        if not new:
+            self._policy.touch(deepest)
+        return InsertResult(tuple(new), tuple(duplicates), m * self._block_size)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to `num_blocks` unlocked blocks, tail-first from the leaf the policy picks; a
+        node left without blocks goes, and its parent may become a leaf. Returns the freed ids in
+        eviction order (fewer when not enough are unlocked)."""
+        if num_blocks < 0:
+            raise InvalidArgument(f"num_blocks must be >= 0, got {num_blocks}")
+        freed: list[int] = []
+        policy, index, bb = self._policy, self._block_index, self._block_bytes
+        while len(freed) < num_blocks and len(policy):
+            node = policy.pop()
+            keep = max(0, len(node.block_ids) - (num_blocks - len(freed)))
+            gone = node.block_ids[keep:]
+            gone.reverse()
+            freed += gone
+            for b in gone:
+                del index[b]
+            self._drop_depth(node.depth)
+            if keep:
+                del node.block_ids[keep:]
+                node.tokens = node.tokens[: keep * bb]
+                node.depth -= len(gone)
+                self._add_depth(node.depth)
+                policy.add(node)  # same key: still the first victim
+            else:
+                parent = node.parent
+                del parent.children[node.tokens[:bb]]
+                self._num_nodes -= 1
+                if not parent.children and parent is not self._root and parent.lock_count == 0:
+                    policy.add(parent)
+        if freed:
+            self._num_evicted += len(freed)
+            self._version += 1
+            if self._events is not None:
+                self._events.append(BlockRemoved(tuple(freed)))
+        return freed
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _walk(self, key: bytes) -> tuple[_Node, int, list[int]]:
+        """Follow `key` in whole blocks: (deepest node reached, blocks of its edge matched,
+        matched block ids). The second is < the edge's blocks when the match ends inside it."""
+        bb = self._block_bytes
+        end = len(key) - len(key) % bb
+        node, pos, ids = self._root, 0, []
+        while pos < end:
+            child = node.children.get(key[pos : pos + bb])
+            if child is None:
+                break
+            edge = child.tokens
+            if key.startswith(edge, pos):  # whole edge (it cannot run into the partial tail)
+                ids += child.block_ids
+                pos += len(edge)
+                node = child
+                continue
+            lo, hi = 1, min(len(child.block_ids) - 1, (end - pos) // bb)  # block 0 matched
+            while lo < hi:  # binary search for the longest matching run of blocks
+                mid = (lo + hi + 1) // 2
+                if key.startswith(edge[: mid * bb], pos):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            ids += child.block_ids[:lo]
+            return child, lo, ids
+        return node, len(node.block_ids), ids
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Cut node's edge after k blocks. The new front node takes the first k blocks and the
+        node's place under its parent; `node` keeps the tail (and so its identity and end)."""
+        assert 0 < k < len(node.block_ids)
+        bb, parent = self._block_bytes, node.parent
+        front = _Node(
+            self._next_id,
+            parent,
+            node.tokens[: k * bb],
+            node.block_ids[:k],
+            parent.depth + k,
+            node.tick,
+            node.last_access,
+        )
+        self._next_id += 1
+        front.lock_count, front.hits = node.lock_count, node.hits
+        parent.children[node.tokens[:bb]] = front
+        node.tokens, node.block_ids = node.tokens[k * bb :], node.block_ids[k:]
+        node.parent = front
+        front.children[node.tokens[:bb]] = node
+        self._block_index.update(dict.fromkeys(front.block_ids, front))
+        self._num_nodes += 1
+        self._add_depth(front.depth)
+        self._version += 1
+        return front
+
+    def _check_handle(self, handle: object) -> _Handle:
+        if not isinstance(handle, _Handle) or handle.tree is not self:
+            raise InvalidArgument("not a match handle of this tree")
+        return handle
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _add_depth(self, depth: int) -> None:
+        counts = self._depth_counts
+        if depth >= len(counts):
+            counts.extend([0] * (depth + 1 - len(counts)))
+        counts[depth] += 1
+
+    def _drop_depth(self, depth: int) -> None:
+        counts = self._depth_counts
+        counts[depth] -= 1
+        while len(counts) > 1 and counts[-1] == 0:
+            counts.pop()
+
+    def check_integrity(self) -> None:
+        """Recompute every invariant from scratch; AssertionError naming the first that fails."""
+
+        def fail(msg: str) -> None:
+            raise AssertionError(msg)
+
+        root, bb = self._root, self._block_bytes
+        if root.tokens or root.block_ids or root.parent is not root or root.lock_count:
+            fail("root must hold no tokens, blocks or locks")
+        seen: dict[int, _Node] = {}
+        num_nodes = num_locked = 0
+        depth_counts = [0]
+        evictable: list[_Node] = []
+        stack = [root]
+        while stack:
+            parent = stack.pop()
+            child_locks = 0
+            for key, n in parent.children.items():
+                num_nodes += 1
+                nid = n.node_id
+                if n.parent is not parent or key != n.tokens[:bb]:
+                    fail(f"node {nid}: wrong parent link or child key")
+                if not n.block_ids or len(n.tokens) != len(n.block_ids) * bb:
+                    fail(f"node {nid}: {len(n.tokens)} token bytes for {len(n.block_ids)} blocks")
+                if n.depth != parent.depth + len(n.block_ids):
+                    fail(f"node {nid}: depth {n.depth} != parent's + {len(n.block_ids)}")
+                if parent is not root and n.tick > parent.tick:
+                    fail(f"node {nid}: touched after its parent")
+                for b in n.block_ids:
+                    if b in seen or self._block_index.get(b) is not n:
+                        fail(f"block {b}: cached twice or missing from the block index")
+                    seen[b] = n
+                if n.lock_count < 0:
+                    fail(f"node {nid}: lock count {n.lock_count} < 0")
+                child_locks += n.lock_count
+                num_locked += len(n.block_ids) if n.lock_count else 0
+                while len(depth_counts) <= n.depth:
+                    depth_counts.append(0)
+                depth_counts[n.depth] += 1
+                if not n.children and not n.lock_count:
+                    evictable.append(n)
+                if (n in self._policy) != (not n.children and not n.lock_count):
+                    fail(f"node {nid}: evictable-leaf index out of step")
+                stack.append(n)
+            if parent is not root and child_locks > parent.lock_count:
+                fail(f"node {parent.node_id}: lock count {parent.lock_count} < children's sum")
+        if len(seen) != len(self._block_index):
+            fail(f"block index has {len(self._block_index)} ids, tree holds {len(seen)}")
+        if len(evictable) != len(self._policy):
+            fail(f"policy holds {len(self._policy)} items, {len(evictable)} evictable leaves")
+        if (num_nodes, num_locked) != (self._num_nodes, self._num_locked):
+            fail(
+                f"counters (nodes, locked) {(self._num_nodes, self._num_locked)} "
+                f"!= recomputed {(num_nodes, num_locked)}"
+            )
+        if depth_counts != self._depth_counts:
+            fail(f"depth counts {self._depth_counts} != recomputed {depth_counts}")
