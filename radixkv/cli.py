@@ -44,6 +44,40 @@ def cmd_calc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from radixkv.config import ServerConfig
+    from radixkv.server import serve
+    from radixkv.service import ServiceConfig
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    layout = layout_from_args(args)
+    num_blocks = args.num_blocks
+    if args.memory:
+        num_blocks = layout.blocks_in(parse_bytes(args.memory))
+        if num_blocks < 1:
+            raise SystemExit(f"--memory {args.memory} holds no {layout.bytes_per_block}-byte block")
+    service = ServiceConfig(lease_ttl_s=args.lease_ttl, max_tokens=args.max_tokens,
+                            vocab_size=args.vocab_size, policy=args.policy)
+    config = ServerConfig.from_env(
+        layout=layout, num_blocks=num_blocks, backend=args.backend, device=args.device,
+        socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
+        metrics_port=args.metrics_port, service=service)
+
+    def ready(server: object) -> None:
+        from radixkv.layout import format_bytes
+
+        pool = config.layout
+        print(f"radixkv serving on {', '.join(server.addresses)}: "  # type: ignore[attr-defined]
+              f"{config.backend} pool, {config.num_blocks} blocks x "
+              f"{format_bytes(pool.bytes_per_block)} ({pool.block_size} tokens each), "
+              f"epoch {server.pool.epoch}", flush=True)  # type: ignore[attr-defined]
+
+    return serve(config, ready)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixkv",
@@ -61,6 +95,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help="a memory budget, e.g. 80GiB, to count the tokens that fit")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_calc)
+
+    p = sub.add_parser("serve", help="run the service",
+                       description="Run the radixkv service: one block pool (host shared memory "
+                       "or CUDA), a radix tree per namespace, gRPC on a Unix socket. Stops on "
+                       "SIGTERM/SIGINT, unlinking the socket and the shared memory.")
+    add_layout_flags(p, default_preset="llama-3.2-1b")
+    g = p.add_argument_group("pool")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="pool size in blocks (default 1024, or $RADIXKV_NUM_BLOCKS)")
+    g.add_argument("--memory", help="pool size as memory, e.g. 8GiB (overrides --num-blocks)")
+    g.add_argument("--backend", choices=["host", "cuda"], default=None,
+                   help="host: POSIX shared memory (default); cuda: GPU memory via CuPy + IPC")
+    g.add_argument("--device", type=int, default=None, help="CUDA device ordinal (cuda backend)")
+    g = p.add_argument_group("service")
+    g.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a lease lives without use before its pins are dropped (30)")
+    g.add_argument("--policy", default="lru", help="eviction policy: lru (default) or lfu")
+    g.add_argument("--max-tokens", type=int, default=1 << 20, help="longest token list accepted")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="reject token ids >= this (default: any uint32)")
+    g = p.add_argument_group("transport")
+    g.add_argument("--socket", default=None, metavar="PATH",
+                   help="Unix socket path (default: $RADIXKV_SOCKET, $XDG_RUNTIME_DIR/radixkv.sock"
+                   " or /tmp/radixkv-$UID/radixkv.sock); '' with --tcp for TCP only")
+    g.add_argument("--tcp", default=None, metavar="HOST:PORT",
+                   help="also listen on TCP (off by default; use 127.0.0.1 unless you mean it)")
+    g.add_argument("--max-message-bytes", type=int, default=64 << 20,
+                   help="largest request accepted (64 MiB)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (127.0.0.1)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
 
     return parser
 

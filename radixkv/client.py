@@ -1,0 +1,317 @@
+"""What an engine imports: typed calls to the service and the pool mapping.
+
+    with Client() as kv:                       # default: the per-user Unix socket
+        with kv.lease("llama3@rev1", prompt) as lease:
+            cached = lease.num_tokens          # tokens whose KV is already in the pool
+            ids = lease.allocate(n_new_blocks) # blocks to write the rest into
+            scatter(kv.pool().view(), ids, k, v)   # engine writes KV (sync first on GPU)
+            lease.insert(prompt, lease.block_ids + ids)
+        # leaving the block releases the lease
+
+KV bytes never cross gRPC: `pool()` maps the service's slab (shared memory or CUDA IPC) and
+returns zero-copy tensors. If the service restarts, its pool epoch changes; `pool()` notices on
+`refresh=True` (and `check_epoch()` always) and re-attaches, logging that it did.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from gpu_pool import PoolHandle, PoolMapping, attach
+from radixkv import errors
+from radixkv.config import default_socket_path
+from radixkv.errors import RadixKVError
+from radixkv.layout import KVLayout
+from radixkv.servicer import ERROR_KEY
+from radixkv.tokens import to_token_bytes
+from radixkv.tree import NodeView
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
+
+log = logging.getLogger("radixkv.client")
+
+_BY_NAME: dict[str, type[RadixKVError]] = {c.__name__: c for c in errors.ALL_ERRORS}
+_BY_CODE: dict[str, type[RadixKVError]] = {
+    "INVALID_ARGUMENT": errors.InvalidArgument, "NOT_FOUND": errors.NotFound,
+    "PERMISSION_DENIED": errors.PermissionDenied, "ALREADY_EXISTS": errors.AlreadyExists,
+    "UNAVAILABLE": errors.Unavailable,
+}
+
+
+def to_error(e: grpc.RpcError) -> RadixKVError:
+    """Map a status back to the project's exception (by the server's class name if sent)."""
+    code = e.code().name
+    message = e.details() or code
+    trailing = dict(e.trailing_metadata() or ())
+    cls = _BY_NAME.get(trailing.get(ERROR_KEY, "")) or _BY_CODE.get(code)
+    if cls is None:  # e.g. RESOURCE_EXHAUSTED from grpc itself for an oversized message
+        err = RadixKVError(f"{code}: {message}")
+        err.code = code
+        return err
+    return cls(message)
+
+
+def message_dict(msg: Message) -> dict[str, Any]:
+    """A proto message as plain Python values (ints stay ints, unlike MessageToDict)."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        repeated = field.is_repeated
+        if field.message_type is not None:
+            out[field.name] = [message_dict(v) for v in value] if repeated else message_dict(value)
+        else:
+            out[field.name] = list(value) if repeated else value
+    return out
+
+
+def normalize_target(target: str | None) -> str:
+    """None -> the default Unix socket; '/path' -> 'unix:///path'; others as given."""
+    if target is None:
+        target = default_socket_path()
+    if target.startswith("/"):
+        return f"unix://{target}"
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    layout: KVLayout
+    handle: PoolHandle
+    max_tokens: int
+
+    @property
+    def epoch(self) -> str:
+        return self.handle.epoch
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    lease_id: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateResult:
+    lease_id: int
+    block_ids: tuple[int, ...]
+    num_evicted: int
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    adopted: tuple[int, ...]
+    duplicates: tuple[int, ...]
+    num_cached_tokens: int
+
+
+def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
+    layout = KVLayout(r.layout.num_layers, r.layout.num_kv_heads, r.layout.head_dim,
+                      r.layout.dtype, r.layout.block_size)
+    handle = PoolHandle.from_dict({
+        "backend": r.backend, "name": r.shm_name, "nbytes": r.nbytes,
+        "num_blocks": r.num_blocks, "layout": layout.to_dict(), "epoch": r.epoch,
+        "ipc_handle": base64.b64encode(r.ipc_handle).decode(), "device_id": r.device_id,
+        "device_uuid": r.device_uuid,
+    })
+    return PoolInfo(layout, handle, r.max_tokens)
+
+
+class Client:
+    """A connection to one radixkv service. Thread-safe for calls; not fork-safe (create it
+    after forking)."""
+
+    def __init__(self, target: str | None = None, client_id: str | None = None,
+                 timeout: float = 30.0, max_message_bytes: int = 64 << 20) -> None:
+        self.target = normalize_target(target)
+        self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ])
+        self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)  # type: ignore[no-untyped-call]
+        self._mapping: PoolMapping | None = None
+        self._info: PoolInfo | None = None
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return getattr(self._stub, name)(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise to_error(e) from None
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Block until the channel connects (raises Unavailable on timeout)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise errors.Unavailable(f"no radixkv service at {self.target} "
+                                     f"after {timeout:g} s") from None
+
+    def close(self) -> None:
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- pool --------------------------------------------------------------------------------
+
+    def pool_info(self) -> PoolInfo:
+        return pool_info_from_pb(self._call("PoolInfo", pb.PoolInfoRequest()))
+
+    def check_epoch(self) -> bool:
+        """Ask the service for its pool epoch; re-attach if it changed. True if it changed."""
+        info = self.pool_info()
+        if self._info is not None and info.epoch != self._info.epoch:
+            log.warning("radixkv service restarted (pool epoch %s -> %s): re-attaching the pool;"
+                        " leases and block ids from before are gone",
+                        self._info.epoch, info.epoch)
+            if self._mapping is not None:
+                self._mapping.close()
+                self._mapping = None
+            self._info = info
+            return True
+        self._info = info
+        return False
+
+    def pool(self, refresh: bool = False) -> PoolMapping:
+        """The service's block pool mapped into this process (zero-copy), attached once."""
+        if refresh or self._info is None:
+            self.check_epoch()
+        if self._mapping is None:
+            assert self._info is not None
+            self._mapping = attach(self._info.handle)
+        return self._mapping
+
+    # ---- the request path --------------------------------------------------------------------
+
+    def match(self, namespace: str, tokens: Any) -> MatchResult:
+        return self.match_many([(namespace, tokens)])[0]
+
+    def match_many(self, queries: Sequence[tuple[str, Any]]) -> list[MatchResult]:
+        """One call for several prompts; each result holds its own lease."""
+        req = pb.MatchRequest(client_id=self.client_id, queries=[
+            pb.MatchQuery(namespace=ns, tokens=to_token_bytes(t)) for ns, t in queries])
+        resp = self._call("Match", req)
+        return [MatchResult(r.lease_id, r.num_tokens, tuple(r.block_ids)) for r in resp.results]
+
+    def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "") -> AllocateResult:
+        resp = self._call("Allocate", pb.AllocateRequest(
+            client_id=self.client_id, lease_id=lease_id, namespace=namespace,
+            num_blocks=num_blocks))
+        return AllocateResult(resp.lease_id, tuple(resp.block_ids), resp.num_evicted)
+
+    def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],
+               lease_id: int) -> InsertResult:
+        return self.insert_many([(namespace, tokens, block_ids, lease_id)])[0]
+
+    def insert_many(self, items: Sequence[tuple[str, Any, Sequence[int], int]]
+                    ) -> list[InsertResult]:
+        req = pb.InsertRequest(client_id=self.client_id, items=[
+            pb.InsertItem(namespace=ns, tokens=to_token_bytes(t), block_ids=ids, lease_id=lid)
+            for ns, t, ids, lid in items])
+        resp = self._call("Insert", req)
+        return [InsertResult(tuple(r.adopted), tuple(r.duplicates), r.num_cached_tokens)
+                for r in resp.results]
+
+    def release(self, *lease_ids: int) -> int:
+        """End leases; returns the number of leased-but-uninserted blocks freed."""
+        req = pb.ReleaseRequest(client_id=self.client_id, lease_ids=lease_ids)
+        return int(self._call("Release", req).num_freed)
+
+    def lease(self, namespace: str, tokens: Any) -> Lease:
+        """Match `tokens` and hold the lease for a `with` block."""
+        return Lease(self, namespace, tokens)
+
+    # ---- inspection --------------------------------------------------------------------------
+
+    def stats(self, check_integrity: bool = False) -> dict[str, Any]:
+        """Counters as a dict (proto field names). With `check_integrity`, the service also
+        checks its invariants and reports "ok" or the failure under "integrity"."""
+        resp = self._call("Stats", pb.StatsRequest(check_integrity=check_integrity))
+        return message_dict(resp)
+
+    def dump_tree(self, namespace: str, max_depth: int = 0) -> tuple[list[NodeView], int]:
+        resp = self._call("DumpTree", pb.DumpTreeRequest(namespace=namespace,
+                                                         max_depth=max_depth))
+        nodes = [NodeView(n.node_id, n.parent_id or None, n.depth_tokens, n.tokens,
+                          tuple(n.block_ids), n.lock_count, n.hits, n.last_access)
+                 for n in resp.nodes]
+        return nodes, resp.last_sequence
+
+    def events(self, from_sequence: int = 0, namespace: str = "",
+               timeout: float | None = None) -> Iterator[pb.Event]:
+        """Stream of block events (from `from_sequence` if still buffered). An event with
+        `lagged` set means events were missed: rebuild from `dump_tree`."""
+        try:
+            yield from self._stub.Events(pb.EventsRequest(from_sequence=from_sequence,
+                                                          namespace=namespace), timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise to_error(e) from None
+
+    def health(self, service: str = "") -> str:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service),
+                              timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise to_error(e) from None
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+class Lease:
+    """A matched prompt's lease: pins the cached prefix; allocate, insert; released on exit."""
+
+    def __init__(self, client: Client, namespace: str, tokens: Any) -> None:
+        self.client = client
+        self.namespace = namespace
+        m = client.match(namespace, tokens)
+        self.lease_id = m.lease_id
+        self.num_tokens = m.num_tokens
+        self.block_ids = m.block_ids
+        self.released = False
+
+    def allocate(self, num_blocks: int) -> tuple[int, ...]:
+        return self.client.allocate(num_blocks, lease_id=self.lease_id).block_ids
+
+    def insert(self, tokens: Any, block_ids: Sequence[int]) -> InsertResult:
+        return self.client.insert(self.namespace, tokens, block_ids, self.lease_id)
+
+    def release(self) -> int:
+        if self.released:
+            return 0
+        self.released = True
+        return self.client.release(self.lease_id)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.release()
+        except RadixKVError:
+            if exc is None:
+                raise  # otherwise keep the original error; the TTL will reclaim the lease

@@ -1,0 +1,66 @@
+"""Server configuration: one frozen ServerConfig, and the one place RADIXKV_* variables are read.
+
+| variable              | meaning                                   | default                     |
+| --------------------- | ----------------------------------------- | --------------------------- |
+| RADIXKV_SOCKET        | Unix socket path (server and clients)     | see default_socket_path()   |
+| RADIXKV_NUM_BLOCKS    | pool size in blocks                       | 1024                        |
+| RADIXKV_BACKEND       | host or cuda                              | host                        |
+| RADIXKV_TCP           | also listen on HOST:PORT                  | off                         |
+| RADIXKV_LEASE_TTL     | seconds a lease lives without use         | 30                          |
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from radixkv.layout import KVLayout
+from radixkv.service import ServiceConfig
+
+
+def default_socket_path() -> str:
+    """$RADIXKV_SOCKET, else $XDG_RUNTIME_DIR/radixkv.sock, else /tmp/radixkv-$UID/radixkv.sock."""
+    if os.environ.get("RADIXKV_SOCKET"):
+        return os.environ["RADIXKV_SOCKET"]
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "radixkv.sock")
+    return os.path.join(tempfile.gettempdir(), f"radixkv-{os.getuid()}", "radixkv.sock")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    layout: KVLayout = field(default_factory=lambda: KVLayout.from_preset("llama-3.2-1b"))
+    num_blocks: int = 1024
+    backend: str = "host"
+    device: int = 0
+    socket: str | None = None  # None: default_socket_path(); "" with tcp set: TCP only
+    tcp: str | None = None  # "HOST:PORT" to also listen on TCP
+    max_message_bytes: int = 64 << 20
+    workers: int = 8
+    metrics_port: int | None = None
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ServerConfig:
+        """Defaults <- RADIXKV_* environment <- explicit overrides (None means unset)."""
+        env = os.environ
+        cfg = cls()
+        if "RADIXKV_NUM_BLOCKS" in env:
+            cfg = replace(cfg, num_blocks=int(env["RADIXKV_NUM_BLOCKS"]))
+        if "RADIXKV_BACKEND" in env:
+            cfg = replace(cfg, backend=env["RADIXKV_BACKEND"])
+        if "RADIXKV_TCP" in env:
+            cfg = replace(cfg, tcp=env["RADIXKV_TCP"])
+        if "RADIXKV_LEASE_TTL" in env:
+            cfg = replace(cfg, service=replace(cfg.service,
+                                               lease_ttl_s=float(env["RADIXKV_LEASE_TTL"])))
+        return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+
+    @property
+    def socket_path(self) -> str | None:
+        if self.socket == "" and self.tcp:
+            return None
+        return self.socket or default_socket_path()

@@ -1,0 +1,101 @@
+"""The KV event log: block stored / removed events with sequence numbers, for routers.
+
+Shaped like vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared): each stored block
+also gets a chained 64-bit hash (namespace salt -> parent hash -> this block's tokens) so a
+router can index prefixes without token ids. A bounded replay buffer lets a subscriber resume
+from a sequence number; one that fell further behind is told it lagged and should rebuild from
+a tree snapshot (DumpTree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from radixkv.tree import BlockRemoved, BlockStored
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    sequence: int
+    namespace: str
+    timestamp: float
+    kind: str  # "stored" | "removed" | "cleared"
+    block_ids: tuple[int, ...] = ()
+    parent_block_id: int | None = None
+    tokens: bytes = b""
+    block_hashes: tuple[int, ...] = ()
+    parent_block_hash: int | None = None
+
+
+def _hash(parent: bytes, tokens: bytes) -> bytes:
+    return hashlib.blake2b(parent + tokens, digest_size=8).digest()
+
+
+class EventLog:
+    """Publishes tree events with consecutive sequence numbers (starting at 1) and keeps the
+    last `capacity` of them for resuming subscribers. Thread-safe."""
+
+    def __init__(self, block_size: int, capacity: int = 65536) -> None:
+        self.block_size = block_size
+        self._buffer: deque[KVEvent] = deque(maxlen=capacity)
+        self._last = 0
+        self._cond = threading.Condition()
+        self._hash_of: dict[tuple[str, int], bytes] = {}  # (namespace, block id) -> hash
+
+    @property
+    def last_sequence(self) -> int:
+        return self._last
+
+    def publish(self, namespace: str, events: Iterable[BlockStored | BlockRemoved]) -> None:
+        with self._cond:
+            for ev in events:
+                self._append(namespace, ev)
+            self._cond.notify_all()
+
+    def _append(self, namespace: str, ev: BlockStored | BlockRemoved) -> None:
+        self._last += 1
+        now = time.time()
+        if isinstance(ev, BlockStored):
+            salt = hashlib.blake2b(namespace.encode(), digest_size=8).digest()
+            parent = salt if ev.parent_block_id is None else self._hash_of[
+                (namespace, ev.parent_block_id)]
+            run = 4 * self.block_size
+            hashes = []
+            h = parent
+            for i, block_id in enumerate(ev.block_ids):
+                h = _hash(h, ev.tokens[i * run:(i + 1) * run])
+                self._hash_of[(namespace, block_id)] = h
+                hashes.append(int.from_bytes(h, "little"))
+            parent_hash = None if ev.parent_block_id is None else int.from_bytes(parent, "little")
+            self._buffer.append(KVEvent(self._last, namespace, now, "stored", ev.block_ids,
+                                        ev.parent_block_id, ev.tokens, tuple(hashes), parent_hash))
+        else:
+            hashes = [int.from_bytes(self._hash_of.pop((namespace, b)), "little")
+                      for b in ev.block_ids]
+            self._buffer.append(KVEvent(self._last, namespace, now, "removed", ev.block_ids,
+                                        block_hashes=tuple(hashes)))
+
+    def read(self, after: int, timeout: float | None = None) -> tuple[list[KVEvent], bool]:
+        """Events with sequence > `after` (waiting up to `timeout` s for one if none yet).
+        Returns (events, lagged): lagged is True when events after `after` were already
+        dropped from the buffer, so the subscriber must resync from a snapshot."""
+        with self._cond:
+            if self._last <= after and timeout:
+                self._cond.wait_for(lambda: self._last > after, timeout)
+            if not self._buffer or self._last <= after:
+                return [], False
+            first = self._buffer[0].sequence
+            if after + 1 < first:
+                return [], True
+            start = after + 1 - first
+            return [self._buffer[i] for i in range(start, len(self._buffer))], False
+
+    def wake_all(self) -> None:
+        """Wake blocked readers (at shutdown)."""
+        with self._cond:
+            self._cond.notify_all()

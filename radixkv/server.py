@@ -1,0 +1,173 @@
+"""The gRPC server: a thin servicer over KVService, health checking, reflection, lifecycle.
+
+Transport: a Unix domain socket by default (per-user path, 0600), TCP only when asked. A lock file
+beside the socket stops a second server from silently taking over the same path. SIGTERM/SIGINT
+drain in-flight calls, then unlink the socket and the pool's shared memory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gpu_pool import create_pool
+from radixkv.config import ServerConfig
+from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.service import KVService
+from radixkv.servicer import SERVICE_NAME, Servicer
+from radixkv.v1 import radixkv_pb2, radixkv_pb2_grpc
+
+log = logging.getLogger("radixkv.server")
+
+class RadixKVServer:
+    """Owns the pool, the service, the grpc server and the lease sweeper."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._lock_file: Any = None
+        self._stopped = threading.Event()
+        self.pool = create_pool(config.layout, num_blocks=config.num_blocks,
+                                backend=config.backend, device=config.device)
+        try:
+            self.service = KVService(self.pool, config.service)
+            self._server = self._build()
+        except BaseException:
+            self.pool.close()
+            raise
+        self._sweeper = threading.Thread(target=self._sweep, name="lease-sweeper", daemon=True)
+        self.addresses: list[str] = []
+
+    def _build(self) -> grpc.Server:
+        cfg = self.config
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers),
+                             options=options)
+        self.servicer = Servicer(self.service, cfg.service.max_tokens)
+        radixkv_pb2_grpc.add_RadixKVServicer_to_server(  # type: ignore[no-untyped-call]
+            self.servicer, server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (radixkv_pb2.DESCRIPTOR.services_by_name["RadixKV"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        return server
+
+    def start(self) -> None:
+        cfg = self.config
+        path = cfg.socket_path
+        if path:
+            self._bind_unix(path)
+        if cfg.tcp:
+            port = self._server.add_insecure_port(cfg.tcp)
+            if port == 0:
+                raise AlreadyExists(f"cannot listen on TCP {cfg.tcp}")
+            host = cfg.tcp.rsplit(":", 1)[0]
+            self.addresses.append(f"{host}:{port}")
+        self._server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._sweeper.start()
+        log.info("radixkv serving on %s: %s pool, %d blocks x %d B, epoch %s",
+                 ", ".join(self.addresses), self.pool.backend, self.pool.num_blocks,
+                 self.pool.layout.bytes_per_block, self.pool.epoch)
+
+    def _bind_unix(self, path: str) -> None:
+        if len(path) > 107:
+            raise InvalidArgument(f"unix socket path is {len(path)} characters, limit 107: {path}")
+        directory = Path(path).parent
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock_file = open(path + ".lock", "w")  # noqa: SIM115 (held for the server's life)
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            self._lock_file = None
+            raise AlreadyExists(f"another radixkv server holds {path} (lock {path}.lock)") from None
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket: its server is gone (we hold the lock)
+        old = os.umask(0o177)  # the socket is created 0600: only this user may connect
+        try:
+            if self._server.add_insecure_port(f"unix://{path}") == 0:
+                raise AlreadyExists(f"cannot bind unix socket {path}")
+        finally:
+            os.umask(old)
+        self.addresses.append(f"unix://{path}")
+
+    def _sweep(self) -> None:
+        period = max(0.05, min(1.0, self.config.service.lease_ttl_s / 4))
+        while not self._stopped.wait(period):
+            n = self.service.expire_leases()
+            if n:
+                log.info("expired %d lease(s)", n)
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Drain calls, stop the sweeper, unlink the socket and close the pool. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.service.events.wake_all()
+        self._server.stop(grace).wait()
+        path = self.config.socket_path
+        if self._lock_file is not None and path:
+            if os.path.exists(path):
+                os.unlink(path)
+            self._lock_file.close()
+            try:
+                os.unlink(path + ".lock")
+            except FileNotFoundError:
+                pass
+        self.pool.close()
+        log.info("radixkv stopped")
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+
+def serve(config: ServerConfig, ready: Any = None) -> int:
+    """Run until SIGTERM/SIGINT. `ready(server)` is called once listening."""
+    server = RadixKVServer(config)
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.start()
+        if ready is not None:
+            ready(server)
+        while not done.wait(0.5):
+            pass
+    except RadixKVError:
+        raise
+    finally:
+        server.stop()
+    return 0
+
+
+def wait_for_socket(path: str, timeout: float = 20.0) -> None:
+    """Block until a Unix socket path exists (for tests and the demo)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no radixkv socket at {path} after {timeout:g} s")
+        time.sleep(0.02)

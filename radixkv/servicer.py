@@ -1,0 +1,178 @@
+"""The RadixKV gRPC servicer: proto <-> KVService, and the one error table.
+
+Each project exception names its status code (`RadixKVError.code`); the servicer aborts with that
+code, the message (which carries the numbers), and the exception's class name in the trailing
+metadata key `radixkv-error`, so the client can raise the same class again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from radixkv.errors import ALL_ERRORS, InvalidArgument, RadixKVError
+from radixkv.events import KVEvent
+from radixkv.layout import KVLayout
+from radixkv.service import KVService
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
+
+log = logging.getLogger("radixkv.server")
+
+SERVICE_NAME = "radixkv.v1.RadixKV"
+ERROR_KEY = "radixkv-error"
+_CLASSES: tuple[type[RadixKVError], ...] = (RadixKVError, *ALL_ERRORS)
+STATUS: dict[type[RadixKVError], grpc.StatusCode] = {
+    cls: getattr(grpc.StatusCode, cls.code) for cls in _CLASSES
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc(method: F) -> F:
+    """Turn project exceptions into statuses through STATUS; anything else is INTERNAL."""
+
+    @functools.wraps(method)
+    def wrapper(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except RadixKVError as e:
+            code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
+            context.set_trailing_metadata(((ERROR_KEY, type(e).__name__),))
+            context.abort(code, str(e))
+        except Exception as e:  # a bug: say so, keep serving
+            log.exception("internal error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    return wrapper  # type: ignore[return-value]
+
+
+def layout_pb(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim, dtype=layout.dtype,
+                       block_size=layout.block_size, bytes_per_block=layout.bytes_per_block)
+
+
+def event_pb(ev: KVEvent) -> pb.Event:
+    out = pb.Event(sequence=ev.sequence, namespace=ev.namespace, timestamp=ev.timestamp)
+    if ev.kind == "stored":
+        out.stored.CopyFrom(pb.BlockStored(
+            block_ids=ev.block_ids, tokens=ev.tokens, block_hashes=ev.block_hashes,
+            parent_block_id=ev.parent_block_id, parent_block_hash=ev.parent_block_hash))
+    elif ev.kind == "removed":
+        out.removed.CopyFrom(pb.BlockRemoved(block_ids=ev.block_ids,
+                                             block_hashes=ev.block_hashes))
+    else:
+        out.cleared.CopyFrom(pb.AllBlocksCleared())
+    return out
+
+
+def _owner(client_id: str) -> str:
+    if not client_id:
+        raise InvalidArgument("client_id is required (it owns the leases this call opens)")
+    return client_id
+
+
+class Servicer(radixkv_pb2_grpc.RadixKVServicer):
+    def __init__(self, service: KVService, max_tokens: int) -> None:
+        self.service = service
+        self.max_tokens = max_tokens
+
+    @rpc
+    def PoolInfo(self, request: pb.PoolInfoRequest, context: Any) -> pb.PoolInfoResponse:
+        h = self.service.pool_handle()
+        return pb.PoolInfoResponse(
+            layout=layout_pb(h.layout), backend=h.backend, num_blocks=h.num_blocks,
+            epoch=h.epoch, shm_name=h.name, nbytes=h.nbytes, ipc_handle=h.ipc_handle,
+            device_id=h.device_id, device_uuid=h.device_uuid, strides=h.strides,
+            max_tokens=self.max_tokens)
+
+    @rpc
+    def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
+        if not request.queries:
+            raise InvalidArgument("Match needs at least one query")
+        outcomes = self.service.match_many(
+            _owner(request.client_id), [(q.namespace, q.tokens) for q in request.queries])
+        return pb.MatchResponse(results=[
+            pb.MatchResult(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=o.block_ids)
+            for o in outcomes])
+
+    @rpc
+    def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
+        o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
+                                  request.namespace, request.num_blocks)
+        return pb.AllocateResponse(lease_id=o.lease_id, block_ids=o.block_ids,
+                                   num_evicted=o.num_evicted)
+
+    @rpc
+    def Insert(self, request: pb.InsertRequest, context: Any) -> pb.InsertResponse:
+        if not request.items:
+            raise InvalidArgument("Insert needs at least one item")
+        owner = _owner(request.client_id)
+        results = []
+        for item in request.items:
+            o = self.service.insert(owner, item.lease_id, item.namespace, item.tokens,
+                                    item.block_ids)
+            results.append(pb.InsertResult(adopted=o.adopted, duplicates=o.duplicates,
+                                           num_cached_tokens=o.num_cached_tokens))
+        return pb.InsertResponse(results=results)
+
+    @rpc
+    def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        if not request.lease_ids:
+            raise InvalidArgument("Release needs at least one lease id")
+        freed = self.service.release(_owner(request.client_id), request.lease_ids)
+        return pb.ReleaseResponse(num_freed=freed)
+
+    @rpc
+    def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        s = self.service.stats()
+        bs = self.service.block_size
+        integrity = ""
+        if request.check_integrity:
+            try:
+                self.service.check_integrity()
+                integrity = "ok"
+            except AssertionError as e:
+                integrity = f"FAILED: {e}"
+        return pb.StatsResponse(
+            integrity=integrity,
+            backend=self.service.pool.backend, layout=layout_pb(self.service.pool.layout),
+            num_blocks=s.num_blocks, free_blocks=s.free_blocks, leased_blocks=s.leased_blocks,
+            cached_blocks=s.cached_blocks, pinned_blocks=s.pinned_blocks,
+            live_leases=s.live_leases, expired_leases=s.expired_leases, requests=s.requests,
+            query_tokens=s.query_tokens, hit_tokens=s.hit_tokens,
+            recent_requests=s.recent_requests, recent_query_tokens=s.recent_query_tokens,
+            recent_hit_tokens=s.recent_hit_tokens, evicted_blocks=s.evicted_blocks,
+            uptime_s=s.uptime_s, epoch=self.service.pool.epoch,
+            namespaces=[pb.NamespaceStats(
+                namespace=n.namespace, cached_blocks=n.cached_blocks,
+                cached_tokens=n.cached_blocks * bs, nodes=n.nodes, requests=n.requests,
+                query_tokens=n.query_tokens, hit_tokens=n.hit_tokens,
+                evicted_blocks=n.evicted_blocks) for n in s.namespaces])
+
+    @rpc
+    def DumpTree(self, request: pb.DumpTreeRequest, context: Any) -> pb.DumpTreeResponse:
+        nodes, last = self.service.dump_tree(request.namespace, request.max_depth)
+        return pb.DumpTreeResponse(namespace=request.namespace, last_sequence=last, nodes=[
+            pb.TreeNode(node_id=n.node_id, parent_id=n.parent_id or 0,
+                        depth_tokens=n.depth_tokens, tokens=n.tokens, block_ids=n.block_ids,
+                        lock_count=n.lock_count, hits=n.hits, last_access=n.last_access)
+            for n in nodes])
+
+    def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        log_ = self.service.events
+        after = request.from_sequence - 1 if request.from_sequence else log_.last_sequence
+        while context.is_active():
+            events, lagged = log_.read(after, timeout=0.25)
+            if lagged:
+                yield pb.Event(sequence=after + 1, lagged=True)
+                return
+            for ev in events:
+                after = ev.sequence
+                if not request.namespace or ev.namespace == request.namespace:
+                    yield event_pb(ev)

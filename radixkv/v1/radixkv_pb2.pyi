@@ -1,0 +1,317 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "bytes_per_block")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    bytes_per_block: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+
+class PoolInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolInfoResponse(_message.Message):
+    __slots__ = ("layout", "backend", "num_blocks", "epoch", "shm_name", "nbytes", "ipc_handle", "device_id", "device_uuid", "strides", "max_tokens")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    backend: str
+    num_blocks: int
+    epoch: str
+    shm_name: str
+    nbytes: int
+    ipc_handle: bytes
+    device_id: int
+    device_uuid: str
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class MatchQuery(_message.Message):
+    __slots__ = ("namespace", "tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    tokens: bytes
+    def __init__(self, namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("client_id", "queries")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    queries: _containers.RepeatedCompositeFieldContainer[MatchQuery]
+    def __init__(self, client_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[MatchQuery, _Mapping]]] = ...) -> None: ...
+
+class MatchResult(_message.Message):
+    __slots__ = ("lease_id", "num_tokens", "block_ids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    num_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[MatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    lease_id: int
+    namespace: str
+    num_blocks: int
+    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("lease_id", "block_ids", "num_evicted")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_evicted: int
+    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_evicted: _Optional[int] = ...) -> None: ...
+
+class InsertItem(_message.Message):
+    __slots__ = ("lease_id", "namespace", "tokens", "block_ids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    namespace: str
+    tokens: bytes
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InsertRequest(_message.Message):
+    __slots__ = ("client_id", "items")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    items: _containers.RepeatedCompositeFieldContainer[InsertItem]
+    def __init__(self, client_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[InsertItem, _Mapping]]] = ...) -> None: ...
+
+class InsertResult(_message.Message):
+    __slots__ = ("adopted", "duplicates", "num_cached_tokens")
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    adopted: _containers.RepeatedScalarFieldContainer[int]
+    duplicates: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    def __init__(self, adopted: _Optional[_Iterable[int]] = ..., duplicates: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class InsertResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[InsertResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[InsertResult, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("client_id", "lease_ids")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("num_freed",)
+    NUM_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_freed: int
+    def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("check_integrity",)
+    CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    check_integrity: bool
+    def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "cached_blocks", "cached_tokens", "nodes", "requests", "query_tokens", "hit_tokens", "evicted_blocks")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    cached_blocks: int
+    cached_tokens: int
+    nodes: int
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
+    def __init__(self, namespace: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    layout: KVLayout
+    num_blocks: int
+    free_blocks: int
+    leased_blocks: int
+    cached_blocks: int
+    pinned_blocks: int
+    live_leases: int
+    expired_leases: int
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+    recent_requests: int
+    recent_query_tokens: int
+    recent_hit_tokens: int
+    evicted_blocks: int
+    uptime_s: float
+    epoch: str
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    integrity: str
+    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ...) -> None: ...
+
+class DumpTreeRequest(_message.Message):
+    __slots__ = ("namespace", "max_depth")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    max_depth: int
+    def __init__(self, namespace: _Optional[str] = ..., max_depth: _Optional[int] = ...) -> None: ...
+
+class TreeNode(_message.Message):
+    __slots__ = ("node_id", "parent_id", "depth_tokens", "tokens", "block_ids", "lock_count", "hits", "last_access")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: int
+    parent_id: int
+    depth_tokens: int
+    tokens: bytes
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lock_count: int
+    hits: int
+    last_access: float
+    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., depth_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lock_count: _Optional[int] = ..., hits: _Optional[int] = ..., last_access: _Optional[float] = ...) -> None: ...
+
+class DumpTreeResponse(_message.Message):
+    __slots__ = ("namespace", "last_sequence", "nodes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    last_sequence: int
+    nodes: _containers.RepeatedCompositeFieldContainer[TreeNode]
+    def __init__(self, namespace: _Optional[str] = ..., last_sequence: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("from_sequence", "namespace")
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    from_sequence: int
+    namespace: str
+    def __init__(self, from_sequence: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_ids", "parent_block_id", "tokens", "block_hashes", "parent_block_hash")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_id: int
+    tokens: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_ids", "block_hashes")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("sequence", "namespace", "timestamp", "stored", "removed", "cleared", "lagged")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    LAGGED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    namespace: str
+    timestamp: float
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: AllBlocksCleared
+    lagged: bool
+    def __init__(self, sequence: _Optional[int] = ..., namespace: _Optional[str] = ..., timestamp: _Optional[float] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., lagged: _Optional[bool] = ...) -> None: ...
