@@ -1,0 +1,42 @@
+"""gpu_pool: one slab of memory cut into fixed-size KV blocks, shared zero-copy between the
+service that owns it and the engines that attach it. Backends: `host` (POSIX shared memory) and
+`cuda` (one device allocation shared with CUDA IPC; CuPy imported only when used).
+
+    pool = create_pool(layout, num_blocks=1024)        # owner (the service)
+    handle = pool.export().to_dict()                   # JSON-safe, sent to engines
+    mapping = attach(handle)                           # engine: same memory, zero-copy
+    k, v = gather(mapping.view(), block_ids)           # blocks -> engine-layout tensors
+
+Importing this package imports neither CuPy nor torch.
+"""
+
+from gpu_pool.base import (
+    BACKENDS,
+    BlockPool,
+    PoolHandle,
+    PoolMapping,
+    attach,
+    create_pool,
+    num_blocks_for,
+    slab_shape,
+    slab_strides,
+)
+from gpu_pool.copy import gather, scatter
+from gpu_pool.host import install_signal_cleanup, reclaim_stale_segments, unlink_owned_segments
+
+__all__ = [
+    "BACKENDS",
+    "BlockPool",
+    "PoolHandle",
+    "PoolMapping",
+    "attach",
+    "create_pool",
+    "gather",
+    "install_signal_cleanup",
+    "num_blocks_for",
+    "reclaim_stale_segments",
+    "scatter",
+    "slab_shape",
+    "slab_strides",
+    "unlink_owned_segments",
+]

@@ -1,0 +1,217 @@
+"""Gather pool blocks into engine-layout K/V tensors and scatter them back (torch; CPU or CUDA,
+on whichever device the view lives).
+
+    pool view   [num_blocks, layers, 2 (K, V), block_size, kv_heads, head_dim]
+    engine K/V  [tokens, kv_heads, head_dim]            one layer      (tokens = n * block_size,
+                [layers, tokens, kv_heads, head_dim]    all layers      block order preserved)
+
+How: a (block, layer, K|V) slice of the pool, block_size x kv_heads x head_dim elements, is
+contiguous both in the pool and in the engine tensor. Both sides are reinterpreted as 2-d arrays
+of such rows ("units"), and one index_select (gather) or index_copy_ (scatter) moves all rows of
+K, and one more all rows of V: no Python loop over blocks. Rows are reinterpreted as the widest
+integer type that divides them (bit-exact for any dtype, fewer elements for the element-wise
+kernels), and rows of 32768 or more elements are split in equal parts, because ATen's CPU
+index_select copies rows below that size (its GRAIN_SIZE) with parallel memcpy, and larger rows
+one by one through a slower path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpu_pool.base import _index
+from radixkv.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+
+_GRAIN = 32768  # at::internal::GRAIN_SIZE
+
+
+def _geometry(view: torch.Tensor) -> tuple[int, int, int, int, int]:
+    if view.dim() != 6 or view.shape[2] != 2:
+        raise InvalidArgument(
+            "gather/scatter need the 6-d pool view [num_blocks, layers, 2, block_size, kv_heads, "
+            f"head_dim], got shape {tuple(view.shape)}; quantized pools (uint8 [num_blocks, "
+            "bytes_per_block]) are copied as whole blocks: view()[ids]"
+        )
+    if not view.is_contiguous():
+        raise InvalidArgument("the pool view must be contiguous (use pool.view() as it comes)")
+    n_blocks, layers, _, block_size, heads, head_dim = view.shape
+    return n_blocks, layers, block_size, heads, head_dim
+
+
+def _block_ids(
+    block_ids: Sequence[int] | torch.Tensor,
+    num_blocks: int,
+    device: torch.device,
+    check: bool,
+    distinct: bool,
+) -> torch.Tensor:
+    import torch
+
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.is_complex():
+            raise InvalidArgument(
+                f"block ids must be a 1-d integer tensor, got {block_ids.dtype} "
+                f"{tuple(block_ids.shape)}"
+            )
+        ids = block_ids.to(device=device, dtype=torch.int64)
+        if check and ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())  # synchronizes on cuda; check=False skips
+            if lo < 0 or hi >= num_blocks:
+                bad = lo if lo < 0 else hi
+                raise InvalidArgument(f"block id {bad} out of range 0..{num_blocks - 1}")
+            if distinct and torch.unique(ids).numel() != ids.numel():
+                raise InvalidArgument("scatter got a block id twice")
+        return ids
+    values = [_index(i, "block id") for i in block_ids]
+    if check:
+        for i in values:
+            if not 0 <= i < num_blocks:
+                raise InvalidArgument(f"block id {i} out of range 0..{num_blocks - 1}")
+        if distinct and len(set(values)) != len(values):
+            raise InvalidArgument("scatter got a block id twice")
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _word(chunk_bytes: int, *tensors: torch.Tensor) -> tuple[torch.dtype, int]:
+    """The widest integer type dividing the row and every tensor's byte offset."""
+    import torch
+
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        size = dtype.itemsize
+        if chunk_bytes % size == 0 and all(
+            (t.storage_offset() * t.element_size()) % size == 0 for t in tensors
+        ):
+            return dtype, size
+    raise AssertionError("uint8 divides everything")
+
+
+def _split(elements: int) -> int:
+    """Fewest equal parts that bring a row under _GRAIN elements (1 if none is close)."""
+    need = -(-elements // (_GRAIN - 1))
+    for parts in range(need, 4 * need + 1):
+        if elements % parts == 0:
+            return parts
+    return 1
+
+
+def _units(t: torch.Tensor, word: torch.dtype, row_elements: int) -> torch.Tensor:
+    """`t` (contiguous) as 2-d [rows, row_elements] of `word`, zero-copy."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).view(word).view(-1, row_elements)
+
+
+def _rows(
+    ids: torch.Tensor, layers: int, layer: int | None, parts: int
+) -> torch.Tensor:
+    """Unit rows of K, in engine order: (layer, block, part) or (block, part); V is K + parts.
+    Pool row of (block b, layer l, kv, part s) = ((b * layers + l) * 2 + kv) * parts + s."""
+    import torch
+
+    sub = torch.arange(parts, device=ids.device)
+    base = ids * (2 * layers * parts)
+    if layer is not None:
+        return ((base + layer * 2 * parts)[:, None] + sub).reshape(-1)
+    per_layer = torch.arange(layers, device=ids.device) * (2 * parts)
+    return (base[None, :, None] + per_layer[:, None, None] + sub).reshape(-1)
+
+
+def _layer(layer: int | None, layers: int) -> int | None:
+    if layer is None:
+        return None
+    i = _index(layer, "layer")
+    if not 0 <= i < layers:
+        raise InvalidArgument(f"layer {i} out of range 0..{layers - 1}")
+    return i
+
+
+def _check_tensor(name: str, t: Any, view: torch.Tensor, shape: tuple[int, ...]) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{name} must be a torch tensor, got {type(t).__name__}")
+    if t.dtype != view.dtype or t.device != view.device:
+        raise InvalidArgument(
+            f"{name} is {t.dtype} on {t.device}, the pool is {view.dtype} on {view.device}"
+        )
+    if tuple(t.shape) != shape:
+        raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+
+
+def gather(
+    view: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    layer: int | None = None,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy blocks `block_ids` of the pool `view` into (k, v): [tokens, kv_heads, head_dim] for
+    `layer`, or [layers, tokens, kv_heads, head_dim] for all layers; tokens = len(block_ids) *
+    block_size in block order. `out=(k, v)`: contiguous tensors of that shape to fill instead of
+    allocating. Reads the pool, writes only k and v. `check=False` skips the id range check
+    (which synchronizes on cuda when ids are a tensor)."""
+    import torch
+
+    _, layers, block_size, heads, head_dim = _geometry(view)
+    layer = _layer(layer, layers)
+    ids = _block_ids(block_ids, view.shape[0], view.device, check, distinct=False)
+    tokens = ids.numel() * block_size
+    shape = (tokens, heads, head_dim) if layer is not None else (layers, tokens, heads, head_dim)
+    if out is None:
+        k = torch.empty(shape, dtype=view.dtype, device=view.device)
+        v = torch.empty(shape, dtype=view.dtype, device=view.device)
+    else:
+        k, v = out
+        for name, t in (("out k", k), ("out v", v)):
+            _check_tensor(name, t, view, shape)
+            if not t.is_contiguous():
+                raise InvalidArgument(f"{name} must be contiguous")
+    if tokens == 0:
+        return k, v
+    chunk_bytes = block_size * heads * head_dim * view.element_size()
+    word, size = _word(chunk_bytes, view, k, v)
+    parts = _split(chunk_bytes // size)
+    row = chunk_bytes // size // parts
+    pool_units = _units(view, word, row)
+    k_rows = _rows(ids, layers, layer, parts)
+    torch.index_select(pool_units, 0, k_rows, out=_units(k, word, row))
+    torch.index_select(pool_units, 0, k_rows + parts, out=_units(v, word, row))
+    return k, v
+
+
+def scatter(
+    view: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int | None = None,
+    *,
+    check: bool = True,
+) -> None:
+    """Copy engine-layout `k`, `v` (shapes as `gather` returns them, the pool's dtype and
+    device) into blocks `block_ids` of the pool `view`, for `layer` or all layers. Writes only
+    those blocks' slices; ids must be distinct. On cuda the copy is queued on the current
+    stream: synchronize before telling another process the blocks are written."""
+    _, layers, block_size, heads, head_dim = _geometry(view)
+    layer = _layer(layer, layers)
+    ids = _block_ids(block_ids, view.shape[0], view.device, check, distinct=True)
+    tokens = ids.numel() * block_size
+    shape = (tokens, heads, head_dim) if layer is not None else (layers, tokens, heads, head_dim)
+    _check_tensor("k", k, view, shape)
+    _check_tensor("v", v, view, shape)
+    if tokens == 0:
+        return
+    k, v = k.contiguous(), v.contiguous()
+    chunk_bytes = block_size * heads * head_dim * view.element_size()
+    word, size = _word(chunk_bytes, view, k, v)
+    parts = _split(chunk_bytes // size)
+    row = chunk_bytes // size // parts
+    pool_units = _units(view, word, row)
+    k_rows = _rows(ids, layers, layer, parts)
+    pool_units.index_copy_(0, k_rows, _units(k, word, row))
+    pool_units.index_copy_(0, k_rows + parts, _units(v, word, row))
