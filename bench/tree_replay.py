@@ -1,0 +1,181 @@
+"""Replay a trace through a bare RadixTree: hit rate, tree latency, memory, eviction cost.
+
+    python bench/tree_replay.py --trace ../shared/traces/mooncake/conversation_trace.jsonl \
+        --block-size 512 --capacity-blocks 16384 [--json]
+    python bench/tree_replay.py --trace synthetic --requests 2000 --block-size 16
+    python bench/tree_replay.py --trace synthetic --eviction-sizes 1000,10000,100000
+
+Per request it follows radixkv.simulate's contract (match, lock, evict what is short, insert,
+unlock). After a warm-up replay it reports token hit rate (matched / prompt tokens), blocks
+evicted, requests/s and match / insert latency; then, in a separate pass under tracemalloc,
+the Python memory the tree uses per cached block (token bytes included, and shown apart).
+--eviction-sizes measures evict() cost per block at several tree sizes, in steady state
+(each new request first evicts what it needs) and one block per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit  # noqa: E402
+
+from radixkv.eviction import POLICIES  # noqa: E402
+from radixkv.simulate import replay_tree  # noqa: E402
+from radixkv.tree import RadixTree  # noqa: E402
+from radixkv.workload import Request, generate_synthetic, iter_trace  # noqa: E402
+
+
+def requests_of(args: argparse.Namespace, limit: int | None = None) -> Iterator[Request]:
+    """The --trace requests (streamed from a file), cut to the smaller of limit and --limit."""
+    limits = [x for x in (limit, args.limit) if x is not None]
+    limit = min(limits) if limits else None
+    if args.trace == "synthetic":
+        n = args.requests if limit is None else min(limit, args.requests)
+        return iter(generate_synthetic(n, args.seed))
+    return iter_trace(args.trace, limit)
+
+
+def memory_per_block(args: argparse.Namespace) -> dict[str, float]:
+    """Fill a tree (no eviction) up to the capacity under tracemalloc; bytes per cached block."""
+    bb = 4 * args.block_size
+    requests = requests_of(args)  # a synthetic list is built here, outside the traced memory
+    next_id = 0
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    tree = RadixTree(args.block_size, args.policy, record_events=False)
+    for req in requests:
+        m = tree.match(req.tokens)
+        n = len(req.tokens) // bb
+        new = tuple(range(next_id, next_id + n - len(m.block_ids)))  # id ints count as the tree's
+        next_id += len(new)
+        tree.insert(req.tokens[: n * bb], m.block_ids + tuple(new))
+        del m, req
+        if tree.num_cached_blocks >= args.capacity_blocks:
+            break
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    blocks = max(1, tree.num_cached_blocks)
+    return {
+        "cached_blocks": tree.num_cached_blocks,
+        "nodes": tree.stats().num_nodes,
+        "bytes_per_block": used / blocks,
+        "token_bytes_per_block": float(bb),
+        "overhead_bytes_per_block": used / blocks - bb,
+    }
+
+
+def eviction_cost(args: argparse.Namespace, size: int) -> dict[str, float]:
+    """Fill a tree to `size` blocks with synthetic requests, then time evict() per block."""
+    bb = 4 * args.block_size
+    tree = RadixTree(args.block_size, args.policy, record_events=False)
+    next_id = 0
+
+    def synthetic() -> Iterator[Request]:  # chunks with new seeds (and system prompts) as needed
+        for seed in range(args.seed, args.seed + 10**6):
+            yield from generate_synthetic(1000, seed)
+
+    reqs = synthetic()
+
+    def insert(req: Request) -> None:
+        nonlocal next_id
+        m = tree.match(req.tokens)
+        n = len(req.tokens) // bb
+        new = tuple(range(next_id, next_id + n - len(m.block_ids)))
+        next_id += len(new)
+        tree.insert(req.tokens[: n * bb], m.block_ids + new)
+
+    while tree.num_cached_blocks < size:
+        insert(next(reqs))
+    tree.evict(tree.num_cached_blocks - size)
+    steady_ns = steady_blocks = 0
+    for _ in range(300):  # steady state: each request first evicts what it will add
+        req = next(reqs)
+        m = tree.match(req.tokens)
+        need = len(req.tokens) // bb - len(m.block_ids)
+        t0 = time.perf_counter_ns()
+        steady_blocks += len(tree.evict(tree.num_cached_blocks + need - size))
+        steady_ns += time.perf_counter_ns() - t0
+        insert(req)
+    calls = min(2000, size // 2)
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        tree.evict(1)
+    single_ns = time.perf_counter_ns() - t0
+    return {
+        "cached_blocks": size,
+        "nodes": tree.stats().num_nodes,
+        "steady_us_per_block": steady_ns / 1e3 / max(1, steady_blocks),
+        "evict1_us_per_call": single_ns / 1e3 / max(1, calls),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default="synthetic", help="a trace file, or 'synthetic'")
+    p.add_argument("--requests", type=int, default=2000, help="synthetic requests")
+    p.add_argument("--limit", type=int, default=None, help="replay at most this many")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--capacity-blocks", type=int, default=16384)
+    p.add_argument("--policy", choices=POLICIES, default="lru")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=200, help="requests replayed first, untimed")
+    p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
+    p.add_argument("--eviction-sizes", default="", help="e.g. 1000,10000,100000")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    out: dict[str, Any] = {
+        "trace": args.trace,
+        "block_size": args.block_size,
+        "capacity_blocks": args.capacity_blocks,
+        "policy": args.policy,
+    }
+    if args.eviction_sizes:
+        sizes = [int(s) for s in args.eviction_sizes.split(",")]
+        out["eviction"] = {str(s): eviction_cost(args, s) for s in sizes}
+        if not args.json:
+            for s, r in out["eviction"].items():
+                emit("tree_evict", {"size_blocks": int(s), **r}, False)
+            return 0
+        emit("tree_replay", out, True)
+        return 0
+
+    replay_tree(requests_of(args, args.warmup), args.block_size, args.capacity_blocks, args.policy)
+    t0 = time.perf_counter()
+    r = replay_tree(requests_of(args), args.block_size, args.capacity_blocks, args.policy)
+    out |= {
+        "requests": r.num_requests,
+        "prompt_tokens": r.prompt_tokens,
+        "token_hit_rate": r.token_hit_rate,
+        "full_block_hit_rate": r.hit_tokens / r.cacheable_tokens if r.cacheable_tokens else 0.0,
+        "evicted_blocks": r.num_evicted_blocks,
+        "dropped_blocks": r.num_dropped_blocks,
+        "peak_cached_blocks": r.peak_cached_blocks,
+        "requests_per_s": r.requests_per_s,
+        "tree_s": r.wall_s,
+        "total_s": time.perf_counter() - t0,
+        "match_us": {"mean": r.match_us.mean, "p50": r.match_us.p50, "p99": r.match_us.p99},
+        "insert_us": {"mean": r.insert_us.mean, "p50": r.insert_us.p50, "p99": r.insert_us.p99},
+    }
+    if not args.no_memory:
+        out["memory"] = memory_per_block(args)
+    if args.json:
+        emit("tree_replay", out, True)
+    else:
+        line = {k: v for k, v in out.items() if k != "memory"}
+        if "memory" in out:
+            line["mem_per_block_B"] = out["memory"]["bytes_per_block"]
+            line["overhead_per_block_B"] = out["memory"]["overhead_bytes_per_block"]
+        emit("tree_replay", line, False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
