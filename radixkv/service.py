@@ -256,7 +256,7 @@ class KVService:
             # Pin what was inserted for the rest of the lease: the engine may still read it.
             m = ns.tree.match(tokens)
             if m.num_tokens:
-                ns.tree.lock(m.handle)
+                ns.tree.lock(m.handle, hit=False)
                 lease.handles.append(m.handle)
             self._touch_namespace(namespace)
             self.events.publish(namespace, ns.tree.take_events())

@@ -220,10 +220,11 @@ class RadixTree:
 
     # -- mutations --------------------------------------------------------------------------
 
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: object, *, hit: bool = True) -> None:
         """Pin exactly the matched blocks: +1 lock count on every node of the path (splitting the
-        last edge first if the match ends inside it), touch the path and count a hit on each node.
-        A handle may be locked several times; each lock() needs its own unlock(). A handle that
+        last edge first if the match ends inside it), touch the path and count a hit on each node
+        (hit=False: a pin that is not a cache hit, e.g. of blocks just inserted). A handle may
+        be locked several times; each lock() needs its own unlock(). A handle that
         is not locked must be fresh (no insert, evict or splitting lock since its match);
         InvalidArgument otherwise. Locking an empty match is a no-op."""
         h = self._check_handle(handle)
@@ -242,7 +243,7 @@ class RadixTree:
                 if not node.children:
                     self._policy.remove(node)
             node.lock_count += 1
-            node.hits += 1
+            node.hits += hit
             node.tick, node.last_access = tick, now
             node = node.parent
         h.num_locks += 1
