@@ -1,0 +1,222 @@
+"""A Hugging Face causal LM (Llama-architecture: LlamaForCausalLM, Qwen2, Mistral without sliding
+window) that reuses prompt KV through radixkv. One prompt at a time, batch 1, on the pool's device.
+
+    prompt     |<------------- tokens ------------->|
+    blocks     [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ][ b5 ][ par|       block_size tokens each
+    Match       b0 b1 b2 (cached)                           -> gather into a DynamicCache
+    forward                      tokens[use:] at positions use.. -> logits of the last token
+    Allocate                      b3' b4' b5' (new full blocks; the partial one is not cached)
+    scatter + Insert(b0 b1 b2 b3' b4' b5'), Release
+
+At least one token is always computed (there must be logits): a fully cached prompt reuses all
+but its last token. The KV is exactly what the model computed (copies are bit-exact), so reused
+logits equal a full recompute up to the kernels' row-count dependence (bit-equal on CPU here).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpu_pool import gather, scatter
+from radixkv.client import Client, Lease
+from radixkv.errors import InvalidArgument, OutOfBlocks
+from radixkv.layout import KVLayout
+
+log = logging.getLogger("radixkv.engines.hf")
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def pool_layout_for(model_config: Any, block_size: int, dtype: str | None = None) -> KVLayout:
+    """The pool layout a model needs: from its config (a transformers config or a config.json
+    dict); `dtype` defaults to the config's torch_dtype."""
+    cfg = model_config if isinstance(model_config, dict) else model_config.to_dict()
+    return KVLayout.from_hf_config(cfg, dtype=dtype, block_size=block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    logits_last: torch.Tensor  # [vocab]: logits after the last prompt token
+    cache: Any  # transformers DynamicCache holding the KV of every prompt token
+    cached_tokens: int  # prompt tokens whose KV came from radixkv (not computed)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds; "total" is the TTFT
+
+
+class Engine:
+    """`model` (a transformers causal LM, eval mode) plus, optionally, a radixkv service.
+
+    `service`: a `Client` or a socket path; None gives an engine that never caches (baseline).
+    `namespace` must name the exact weights: KV is only reusable by the same model. At connect
+    the service's pool layout must equal the model's (`pool_layout_for`), else InvalidArgument.
+    Not thread-safe: one prompt at a time."""
+
+    def __init__(self, model: Any, service: Client | str | None = None,
+                 namespace: str = "default") -> None:
+        self.model = model
+        self.namespace = namespace
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5/4
+        self.kv = Client(service) if isinstance(service, str) else service
+        self.layout: KVLayout | None = None
+        if self.kv is not None:
+            self.kv.wait_ready()
+            self._check_layout()
+
+    def _check_layout(self) -> None:
+        assert self.kv is not None
+        have = self.kv.pool_info().layout
+        want = pool_layout_for(self.model.config, have.block_size, _DTYPES.get(self.model.dtype))
+        if have != want:
+            raise InvalidArgument(
+                f"radixkv service at {self.kv.target} holds KV layout {have} but this model "
+                f"needs {want}: serve it with --model-config <this model's config.json> "
+                f"--dtype {want.dtype}")
+        self.layout = have
+        self.kv.pool(refresh=True)  # map the pool now, not on the first request
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+
+    # ---- model plumbing ----------------------------------------------------------------------
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            return DynamicCache()
+
+    def _forward(self, tokens: Sequence[int], start: int, cache: Any) -> torch.Tensor:
+        """Run `tokens` at positions start.. on top of `cache` (which grows); last logits."""
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
+        out = self.decoder(input_ids=ids, position_ids=positions, use_cache=True,
+                           **{self._cache_kw: cache})
+        logits: torch.Tensor = self.lm_head(out.last_hidden_state[0, -1])
+        return logits.float()
+
+    @staticmethod
+    def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if hasattr(cache, "layers"):
+            return [(layer.keys, layer.values) for layer in cache.layers]
+        return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
+
+    # ---- the request path --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+        """Match -> copy cached blocks into a DynamicCache -> run the model on the rest -> write
+        the newly completed full blocks to the pool -> Insert -> Release. Without a service, the
+        same as `prefill_no_cache`."""
+        if self.kv is None:
+            return self.prefill_no_cache(tokens)
+        if not tokens:
+            raise InvalidArgument("prefill needs at least one token")
+        t0 = time.perf_counter()
+        if self.kv.check_epoch():  # the service restarted: block ids of the old pool are gone
+            self._check_layout()
+        view = self.kv.pool().view()
+        tokens = list(tokens)
+        with self.kv.lease(self.namespace, tokens) as lease:
+            t1 = time.perf_counter()
+            use = min(lease.num_tokens, len(tokens) - 1)
+            cache = self._new_cache()
+            if use:
+                assert self.layout is not None
+                num_blocks = -(-use // self.layout.block_size)
+                k, v = gather(view, lease.block_ids[:num_blocks])  # [layers, tokens, heads, dim]
+                for layer in range(k.shape[0]):
+                    cache.update(k[layer, :use].transpose(0, 1).unsqueeze(0),
+                                 v[layer, :use].transpose(0, 1).unsqueeze(0), layer)
+            t2 = time.perf_counter()
+            logits = self._forward(tokens[use:], use, cache)
+            t3 = time.perf_counter()
+            self._store(lease, tokens, cache, view)
+            t4 = time.perf_counter()
+        t5 = time.perf_counter()
+        timings = {"match": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "store": t4 - t3,
+                   "release": t5 - t4, "total": t5 - t0}
+        return PrefillResult(logits, cache, use, timings)
+
+    @torch.inference_mode()
+    def prefill_no_cache(self, tokens: Sequence[int]) -> PrefillResult:
+        """The baseline: the whole prompt through the model, no radixkv."""
+        if not tokens:
+            raise InvalidArgument("prefill needs at least one token")
+        t0 = time.perf_counter()
+        cache = self._new_cache()
+        logits = self._forward(tokens, 0, cache)
+        elapsed = time.perf_counter() - t0
+        return PrefillResult(logits, cache, 0, {"forward": elapsed, "total": elapsed})
+
+    def _store(self, lease: Lease, tokens: list[int], cache: Any, view: torch.Tensor) -> int:
+        """Write the full blocks of `tokens` past the lease's matched ones from `cache` into
+        newly allocated pool blocks and Insert them. Returns the number of blocks written."""
+        assert self.layout is not None
+        block_size = self.layout.block_size
+        have = len(lease.block_ids)
+        num_full = min(len(tokens) // block_size, view.shape[0])  # longer than the pool: a prefix
+        if num_full <= have:
+            return 0
+        try:
+            new = lease.allocate(num_full - have)
+        except OutOfBlocks as e:  # every block pinned by other requests: serve uncached
+            log.warning("not caching %d blocks: %s", num_full - have, e)
+            return 0
+        start, end = have * block_size, num_full * block_size
+        layers = self._cache_layers(cache)
+        # DynamicCache layers are [batch 1, kv_heads, seq, head_dim]; the pool wants
+        # [layers, tokens, kv_heads, head_dim]
+        k = torch.stack([key[0, :, start:end].transpose(0, 1) for key, _ in layers])
+        v = torch.stack([value[0, :, start:end].transpose(0, 1) for _, value in layers])
+        scatter(view, new, k, v)  # on cuda: synchronize before Insert (the copy is queued)
+        if view.is_cuda:
+            torch.cuda.current_stream(view.device).synchronize()
+        lease.insert(tokens[:end], lease.block_ids + new)
+        return len(new)
+
+    @torch.inference_mode()
+    def store(self, tokens: Sequence[int], cache: Any) -> int:
+        """Cache the KV of `tokens` held in `cache` (e.g. prompt + generated tokens after
+        decoding, so that the next turn reuses the answer too). Returns blocks written."""
+        if self.kv is None:
+            return 0
+        seq_len = self._cache_layers(cache)[0][0].shape[-2]
+        tokens = list(tokens)[:seq_len]
+        with self.kv.lease(self.namespace, tokens) as lease:
+            return self._store(lease, tokens, cache, self.kv.pool().view())
+
+    @torch.inference_mode()
+    def decode(self, prompt: Sequence[int], result: PrefillResult, max_new_tokens: int,
+               eos_token_id: int | None = None) -> list[int]:
+        """Greedy decoding after `prefill`; `result.cache` grows by the generated tokens (all
+        but the last, whose KV is never computed)."""
+        out = [int(result.logits_last.argmax())]
+        position = len(prompt)
+        while len(out) < max_new_tokens and out[-1] != eos_token_id:
+            logits = self._forward(out[-1:], position, result.cache)
+            position += 1
+            out.append(int(logits.argmax()))
+        return out
+
+    def generate(self, tokens: Sequence[int], max_new_tokens: int, *, use_radixkv: bool = True,
+                 cache_output: bool = True) -> list[int]:
+        """Greedy generation of `max_new_tokens` tokens. With radixkv (if connected), reuses and
+        caches the prompt's KV, and with `cache_output` also the KV of the generated tokens."""
+        reuse = use_radixkv and self.kv is not None
+        result = self.prefill(tokens) if reuse else self.prefill_no_cache(tokens)
+        out = self.decode(tokens, result, max_new_tokens)
+        if reuse and cache_output:
+            self.store(list(tokens) + out[:-1], result.cache)
+        return out

@@ -1,0 +1,157 @@
+"""The Hugging Face engine adapter against a real `radixkv serve` subprocess: a random-weight
+Llama (GQA, RoPE; fp32, sdpa) reuses prompt KV and its outputs stay those of a full recompute.
+
+Tolerance: logits within atol 1e-4 (rtol 0) of the no-cache run; measured differences are 0 to
+6e-8 on CPU. Greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+import torch  # noqa: E402
+from _server import RunningServer, running_server  # noqa: E402
+
+from radixkv.client import Client  # noqa: E402
+from radixkv.engines import tiny_llama  # noqa: E402
+from radixkv.engines.demo import demo_serve_flags, run_engine_demo  # noqa: E402
+from radixkv.engines.hf import Engine, PrefillResult  # noqa: E402
+from radixkv.errors import InvalidArgument  # noqa: E402
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+VOCAB = tiny_llama.config_dict("test")["vocab_size"]
+
+
+def make_tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def serve_test_model(num_blocks: int) -> Any:
+    """`running_server` with the test model's layout (its --model-config overrides the tiny one
+    that running_server passes first: argparse keeps the last)."""
+    directory = tempfile.mkdtemp(prefix="rkv-hf-")
+    return running_server("--model-config", tiny_llama.write_config(directory, "test"),
+                          num_blocks=num_blocks, block_size=BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_llama.build_model("test", seed=0)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    with serve_test_model(num_blocks=256) as srv:
+        yield srv
+
+
+@pytest.fixture
+def engine(model: Any, server: RunningServer, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    namespace = f"{tiny_llama.namespace_for('test', 0)}/{request.node.name}"  # tests apart
+    eng = Engine(model, server.socket, namespace)
+    yield eng
+    assert eng.kv is not None
+    assert eng.kv.stats(check_integrity=True)["integrity"] == "ok"
+    eng.close()
+
+
+def assert_same_as_recompute(engine: Engine, tokens: list[int], got: PrefillResult) -> None:
+    base = engine.prefill_no_cache(tokens)
+    torch.testing.assert_close(got.logits_last, base.logits_last, atol=ATOL, rtol=0)
+    # the cache built from pool blocks + suffix holds the KV a full recompute holds
+    for (k, v), (bk, bv) in zip(engine._cache_layers(got.cache),
+                                engine._cache_layers(base.cache), strict=True):
+        torch.testing.assert_close(k, bk, atol=ATOL, rtol=0)
+        torch.testing.assert_close(v, bv, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("shared, expected_cached", [
+    (0, 0), (3, 0), (16, 16), (33, 32), (60, 60),
+])
+def test_reused_kv_gives_the_logits_of_a_full_recompute(engine: Engine, shared: int,
+                                                        expected_cached: int) -> None:
+    prefix = make_tokens(shared, seed=1)
+    engine.prefill(prefix + make_tokens(61 - shared, seed=2))  # puts the prefix in the cache
+    prompt = prefix + make_tokens(61 - shared, seed=3)
+    got = engine.prefill(prompt)
+    assert got.cached_tokens == expected_cached
+    assert_same_as_recompute(engine, prompt, got)
+
+
+@pytest.mark.parametrize("length, expected_cached", [(48, 47), (50, 48)])
+def test_a_fully_cached_prompt_still_computes_its_last_token(engine: Engine, length: int,
+                                                            expected_cached: int) -> None:
+    prompt = make_tokens(length, seed=4)
+    first = engine.prefill(prompt)
+    again = engine.prefill(prompt)
+    assert (first.cached_tokens, again.cached_tokens) == (0, expected_cached)
+    assert_same_as_recompute(engine, prompt, again)
+
+
+def test_greedy_generation_is_token_for_token_identical(engine: Engine, model: Any) -> None:
+    prompt = make_tokens(41, seed=5)
+    reference = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert engine.generate(prompt, 12, use_radixkv=False) == reference  # our decode loop = HF's
+    assert engine.generate(prompt, 12) == reference  # cold: fills the cache
+    assert engine.generate(prompt, 12) == reference  # warm: reuses 40 tokens
+    # turn 2 extends turn 1 and its answer; their KV (cached after decoding) is reused
+    turn2 = prompt + reference + make_tokens(9, seed=6)
+    result = engine.prefill(turn2)
+    assert result.cached_tokens == (len(prompt) + 11) // BLOCK_SIZE * BLOCK_SIZE  # 52
+    assert engine.decode(turn2, result, 8) == engine.generate(turn2, 8, use_radixkv=False)
+
+
+def test_an_evicted_prefix_falls_back_to_recompute(model: Any,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    prompts = [make_tokens(40, seed=10 + i) for i in range(3)]  # 10 blocks each
+    caplog.set_level(logging.WARNING, logger="radixkv.engines.hf")
+    with serve_test_model(num_blocks=24) as srv:
+        engine = Engine(model, srv.socket, "evict")
+        for p in prompts:  # the third evicts the 6 tail blocks of the first (LRU, tail first)
+            engine.prefill(p)
+        got = engine.prefill(prompts[0])
+        assert got.cached_tokens == 16
+        assert_same_as_recompute(engine, prompts[0], got)
+        assert engine.prefill(prompts[0]).cached_tokens == 39  # stored again
+        long_prompt = make_tokens(120, seed=20)  # 30 blocks > 24: its first 24 are cached
+        assert engine.prefill(long_prompt).cached_tokens == 0
+        with Client(srv.socket) as other, other.lease("evict", long_prompt) as pin:
+            assert pin.num_tokens == 96
+            got = engine.prefill(prompts[1])  # every block pinned: not cached, still served
+            assert got.cached_tokens == 0
+            assert "not caching 10 blocks" in caplog.text
+            assert_same_as_recompute(engine, prompts[1], got)
+        assert engine.prefill(prompts[1]).cached_tokens == 0  # the pin is gone: cached now
+        assert engine.prefill(prompts[1]).cached_tokens == 39
+        assert engine.kv is not None
+        stats = engine.kv.stats(check_integrity=True)
+        assert stats["integrity"] == "ok"
+        engine.close()
+
+
+def test_a_service_with_another_layout_is_refused(server: RunningServer) -> None:
+    other = tiny_llama.build_model("demo", seed=0)  # 4 layers, head_dim 32
+    with pytest.raises(InvalidArgument, match="holds KV layout .* but this model needs"):
+        Engine(other, server.socket, "other")
+
+
+def test_two_engine_processes_share_kv() -> None:
+    """run_engine_demo: engine 0 fills the cache, engine 1 (another process) reuses it."""
+    with tempfile.TemporaryDirectory(prefix="rkv-demo-") as directory:
+        with running_server(*demo_serve_flags(directory), num_blocks=256) as srv:
+            report = run_engine_demo(srv.socket, max_new_tokens=6)
+    requests = report["requests"]
+    assert [(r["engine"], r["cached_tokens"]) for r in requests] == [
+        (0, 0), (1, 400), (1, 464), (0, 464)]  # 400 = system prompt; 464: 400 + 60 + 5 tokens
+    assert report["all_match"], requests
