@@ -60,7 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if num_blocks < 1:
             raise SystemExit(f"--memory {args.memory} holds no {layout.bytes_per_block}-byte block")
     service = ServiceConfig(lease_ttl_s=args.lease_ttl, max_tokens=args.max_tokens,
-                            vocab_size=args.vocab_size, policy=args.policy)
+                            vocab_size=args.vocab_size, policy=args.policy,
+                            event_buffer=args.event_buffer)
     config = ServerConfig.from_env(
         layout=layout, num_blocks=num_blocks, backend=args.backend, device=args.device,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=1 << 20, help="longest token list accepted")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="reject token ids >= this (default: any uint32)")
+    g.add_argument("--event-buffer", type=int, default=65536, metavar="N",
+                   help="KV events kept for subscribers to resume from (65536); one that falls "
+                   "further behind gets `lagged` and rebuilds from DumpTree")
     g = p.add_argument_group("transport")
     g.add_argument("--socket", default=None, metavar="PATH",
                    help="Unix socket path (default: $RADIXKV_SOCKET, $XDG_RUNTIME_DIR/radixkv.sock"

@@ -260,14 +260,19 @@ class Client:
 
     def events(self, from_sequence: int = 0, namespace: str = "",
                timeout: float | None = None) -> Iterator[pb.Event]:
-        """Stream of block events (from `from_sequence` if still buffered). An event with
-        `lagged` set means events were missed: rebuild from `dump_tree`."""
+        """Stream of block events (from `from_sequence` if still buffered; 0: from now on),
+        ending quietly after `timeout` s. An event with `lagged` set (the stream's last) means
+        events were missed: rebuild from `dump_tree` and resume after its last sequence.
+        Closing the iterator (or leaving a loop over it) cancels the call."""
+        call = self._stub.Events(pb.EventsRequest(from_sequence=from_sequence,
+                                                  namespace=namespace), timeout=timeout)
         try:
-            yield from self._stub.Events(pb.EventsRequest(from_sequence=from_sequence,
-                                                          namespace=namespace), timeout=timeout)
+            yield from call
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise to_error(e) from None
+        finally:
+            call.cancel()
 
     def health(self, service: str = "") -> str:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -16,7 +16,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from radixkv.errors import InvalidArgument
 from radixkv.tree import BlockRemoved, BlockStored
+
+MAX_BATCH = 1024  # events one read() returns at most, so a resume never copies the whole buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +44,10 @@ class EventLog:
     last `capacity` of them for resuming subscribers. Thread-safe."""
 
     def __init__(self, block_size: int, capacity: int = 65536) -> None:
+        if capacity < 1:
+            raise InvalidArgument(f"the event buffer must hold at least 1 event, got {capacity}")
         self.block_size = block_size
+        self.capacity = capacity
         self._buffer: deque[KVEvent] = deque(maxlen=capacity)
         self._last = 0
         self._cond = threading.Condition()
@@ -80,10 +86,12 @@ class EventLog:
             self._buffer.append(KVEvent(self._last, namespace, now, "removed", ev.block_ids,
                                         block_hashes=tuple(hashes)))
 
-    def read(self, after: int, timeout: float | None = None) -> tuple[list[KVEvent], bool]:
-        """Events with sequence > `after` (waiting up to `timeout` s for one if none yet).
-        Returns (events, lagged): lagged is True when events after `after` were already
-        dropped from the buffer, so the subscriber must resync from a snapshot."""
+    def read(self, after: int, timeout: float | None = None,
+             limit: int = MAX_BATCH) -> tuple[list[KVEvent], bool]:
+        """The oldest (at most `limit`) events with sequence > `after`, waiting up to `timeout`
+        s for one if none yet. Returns (events, lagged): lagged is True when events after
+        `after` were already dropped from the buffer, so the subscriber must resync from a
+        snapshot (DumpTree) and resume after its `last_sequence`."""
         with self._cond:
             if self._last <= after and timeout:
                 self._cond.wait_for(lambda: self._last > after, timeout)
@@ -93,7 +101,8 @@ class EventLog:
             if after + 1 < first:
                 return [], True
             start = after + 1 - first
-            return [self._buffer[i] for i in range(start, len(self._buffer))], False
+            stop = min(len(self._buffer), start + limit)
+            return [self._buffer[i] for i in range(start, stop)], False
 
     def wake_all(self) -> None:
         """Wake blocked readers (at shutdown)."""

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from gpu_pool import create_pool
 from radixkv.config import ServerConfig
 from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.metrics import Metrics
 from radixkv.service import KVService
 from radixkv.servicer import SERVICE_NAME, Servicer
 from radixkv.v1 import radixkv_pb2, radixkv_pb2_grpc
@@ -47,6 +48,7 @@ class RadixKVServer:
             raise
         self._sweeper = threading.Thread(target=self._sweep, name="lease-sweeper", daemon=True)
         self.addresses: list[str] = []
+        self.metrics_url: str | None = None
 
     def _build(self) -> grpc.Server:
         cfg = self.config
@@ -57,7 +59,10 @@ class RadixKVServer:
         ]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers),
                              options=options)
-        self.servicer = Servicer(self.service, cfg.service.max_tokens)
+        self.metrics: Metrics | None = None
+        if cfg.metrics_port:
+            self.metrics = Metrics(self.service)
+        self.servicer = Servicer(self.service, cfg.service.max_tokens, self.metrics)
         radixkv_pb2_grpc.add_RadixKVServicer_to_server(  # type: ignore[no-untyped-call]
             self.servicer, server)
         self.health = health.HealthServicer()
@@ -79,6 +84,9 @@ class RadixKVServer:
                 raise AlreadyExists(f"cannot listen on TCP {cfg.tcp}")
             host = cfg.tcp.rsplit(":", 1)[0]
             self.addresses.append(f"{host}:{port}")
+        if self.metrics is not None and cfg.metrics_port:
+            port = self.metrics.start_http(cfg.metrics_port)
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         self._server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -86,6 +94,8 @@ class RadixKVServer:
         log.info("radixkv serving on %s: %s pool, %d blocks x %d B, epoch %s",
                  ", ".join(self.addresses), self.pool.backend, self.pool.num_blocks,
                  self.pool.layout.bytes_per_block, self.pool.epoch)
+        if self.metrics_url:
+            log.info("metrics on %s", self.metrics_url)
 
     def _bind_unix(self, path: str) -> None:
         if len(path) > 107:
@@ -122,8 +132,10 @@ class RadixKVServer:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
-        self.service.events.wake_all()
+        self.servicer.close()  # end Events streams now rather than at the end of the grace
         self._server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.stop_http()
         path = self.config.socket_path
         if self._lock_file is not None and path:
             if os.path.exists(path):

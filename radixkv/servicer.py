@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
@@ -33,20 +35,48 @@ STATUS: dict[type[RadixKVError], grpc.StatusCode] = {
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class RpcObserver(Protocol):
+    """Told about every unary call the `rpc` wrapper runs (radixkv.metrics implements it)."""
+
+    def observe_rpc(self, method: str, seconds: float, code: str) -> None: ...
+
+
+def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
+    """Abort through the one table: a project error keeps its status and class name; anything
+    else is a bug and becomes INTERNAL. Raises (grpc's abort always does)."""
+    if isinstance(e, RadixKVError):
+        context.set_trailing_metadata(((ERROR_KEY, type(e).__name__),))
+        context.abort(STATUS.get(type(e), grpc.StatusCode.INTERNAL), str(e))
+    else:
+        log.error("internal error in %s", method, exc_info=e)
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+    raise AssertionError("context.abort() returned")
+
+
+def status_of(e: Exception) -> str:
+    """The status code name `_abort` gives `e`."""
+    if isinstance(e, RadixKVError):
+        return str(STATUS.get(type(e), grpc.StatusCode.INTERNAL).name)
+    return "INTERNAL"
+
+
 def rpc(method: F) -> F:
-    """Turn project exceptions into statuses through STATUS; anything else is INTERNAL."""
+    """Turn project exceptions into statuses through STATUS; anything else is INTERNAL. Reports
+    each call's latency and status code to the servicer's observer, if it has one."""
+    name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
+        start = time.perf_counter()
+        code = "OK"
         try:
             return method(self, request, context)
-        except RadixKVError as e:
-            code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
-            context.set_trailing_metadata(((ERROR_KEY, type(e).__name__),))
-            context.abort(code, str(e))
-        except Exception as e:  # a bug: say so, keep serving
-            log.exception("internal error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception as e:  # a project error, or a bug: say so, keep serving
+            code = status_of(e)
+            _abort(context, name, e)
+        finally:
+            if self.observer is not None:
+                self.observer.observe_rpc(name, time.perf_counter() - start, code)
 
     return wrapper  # type: ignore[return-value]
 
@@ -78,9 +108,17 @@ def _owner(client_id: str) -> str:
 
 
 class Servicer(radixkv_pb2_grpc.RadixKVServicer):
-    def __init__(self, service: KVService, max_tokens: int) -> None:
+    def __init__(self, service: KVService, max_tokens: int,
+                 observer: RpcObserver | None = None) -> None:
         self.service = service
         self.max_tokens = max_tokens
+        self.observer = observer
+        self._closing = threading.Event()
+
+    def close(self) -> None:
+        """End open Events streams (at shutdown), so they do not hold up the grace period."""
+        self._closing.set()
+        self.service.events.wake_all()
 
     @rpc
     def PoolInfo(self, request: pb.PoolInfoRequest, context: Any) -> pb.PoolInfoResponse:
@@ -165,9 +203,20 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             for n in nodes])
 
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        """Consecutive events from `from_sequence` (0: from now on). If some were already
+        dropped from the replay buffer, one event with `lagged` set (its sequence is the first
+        one missed) ends the stream: rebuild from DumpTree, resume after its last_sequence.
+        With a namespace filter, sequence numbers still increase but skip other namespaces."""
         log_ = self.service.events
-        after = request.from_sequence - 1 if request.from_sequence else log_.last_sequence
-        while context.is_active():
+        last = log_.last_sequence
+        if request.from_sequence > last + 1:
+            # Most likely a subscriber resuming across a service restart (numbers restart at
+            # 1); waiting for that number would silently skip everything up to it.
+            _abort(context, "Events", InvalidArgument(
+                f"from_sequence {request.from_sequence} is ahead of the last event {last} "
+                f"(pool epoch {self.service.pool.epoch}; did the service restart?)"))
+        after = request.from_sequence - 1 if request.from_sequence else last
+        while context.is_active() and not self._closing.is_set():
             events, lagged = log_.read(after, timeout=0.25)
             if lagged:
                 yield pb.Event(sequence=after + 1, lagged=True)
