@@ -14,7 +14,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+import types
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +27,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import gpu_pool.cuda
 import gpu_pool.host
 from gpu_pool import (
     BlockPool,
@@ -36,7 +39,7 @@ from gpu_pool import (
     reclaim_stale_segments,
 )
 from gpu_pool.host import SHM_DIR, HostBlockPool
-from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError, StalePool
+from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError, StalePool, Unavailable
 from radixkv.layout import KVLayout
 
 PREFIX = f"rkvt{os.getpid()}"  # every segment these tests create starts with it
@@ -485,3 +488,28 @@ def test_host_pool_class() -> None:
     with HostBlockPool(make_layout(), 3, name_prefix=PREFIX, reserve=False) as pool:
         assert pool.backend == "host" and pool.export().backend == "host"
         assert repr(pool).startswith("HostBlockPool(fp16, 3 blocks x 512 B, 3/3 free")
+
+
+def test_cuda_backend_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    handle = PoolHandle(
+        backend="cuda", name="", nbytes=2 << 20, num_blocks=2, layout=make_layout(),
+        epoch="e" * 32, ipc_handle=bytes(64), device_id=0, device_uuid="GPU-x", owner_pid=1,
+    )
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    no_cupy = r"^the cuda backend needs CuPy: pip install 'radixkv\[cuda12\]' \(or \[cuda13\]\)"
+    with pytest.raises(Unavailable, match=no_cupy):
+        create_pool(make_layout(), num_blocks=2, backend="cuda")
+    with pytest.raises(Unavailable, match=no_cupy):
+        attach(handle)
+    assert not gpu_pool.cuda.is_available()
+    no_gpu = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "cupy", no_gpu)
+    message = "no CUDA GPU is visible (cupy.cuda.is_available() is False); use backend='host'"
+    with pytest.raises(Unavailable, match=f"^{re.escape(message)}$"):
+        create_pool(make_layout(), num_blocks=2, backend="cuda")
+
+
+def test_importing_gpu_pool_imports_neither_torch_nor_cupy() -> None:
+    code = "import sys, gpu_pool; print(sorted({'torch', 'cupy'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

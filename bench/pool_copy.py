@@ -1,0 +1,151 @@
+"""Micro-benchmark: gather N random pool blocks into engine-layout K/V tensors and scatter them
+back, against the copy floor measured in the same run (a torch copy_ of one contiguous tensor of
+the same bytes, between the same two memories: pool slab <-> ordinary tensor).
+
+Block sizes 16 KiB .. 4 MiB come from block_size tokens x a small layout (2 layers, 8 KV heads,
+head_dim 128, fp16: 8 KiB per token). Timings are the best of --repeat rounds, each round
+running floor, gather and scatter back to back (so noise from other processes hits them alike).
+
+    .venv/bin/python bench/pool_copy.py --device cpu --blocks 64 --repeat 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gpu_pool import create_pool, gather, scatter
+from radixkv.layout import KVLayout
+
+BLOCK_SIZES = [2, 8, 32, 128, 512]  # tokens: 16 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB blocks
+POOL_CAP = 1 << 30  # the pool holds up to 4 N blocks, at most 1 GiB
+
+
+def make_layout(block_size: int) -> KVLayout:
+    return KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype="fp16", block_size=block_size)
+
+
+def timer(device: str) -> Callable[[Callable[[], object]], float]:
+    if device == "cuda":
+        def timed(fn: Callable[[], object]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+
+        return timed
+
+    def timed_cpu(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return timed_cpu
+
+
+def bench_size(
+    device: str, block_size: int, n: int, repeat: int, rng: random.Random
+) -> dict[str, Any]:
+    layout = make_layout(block_size)
+    bpb = layout.bytes_per_block
+    pool_blocks = max(n, min(4 * n, POOL_CAP // bpb))
+    backend = "cuda" if device == "cuda" else "host"
+    with create_pool(
+        layout, num_blocks=pool_blocks, backend=backend, name_prefix="rkvbench"
+    ) as pool:  # views still alive at close keep the memory until they go (see gpu_pool.base)
+        view = pool.view()
+        view.view(torch.uint8).random_(0, 256)  # fault every page in, not in the timed part
+        ids_list = rng.sample(range(pool_blocks), n)
+        ids = torch.tensor(ids_list, dtype=torch.int64, device=view.device)
+        check = device != "cuda"  # the id check synchronizes on cuda
+        k, v = gather(view, ids, check=check)
+        nbytes = n * bpb
+        slab = view.view(-1).view(torch.uint8)[:nbytes]  # same bytes, contiguous, in the pool
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
+        ops: dict[str, Callable[[], object]] = {
+            "floor_in": lambda: flat.copy_(slab),  # pool -> tensor, as gather
+            "gather": lambda: gather(view, ids, out=(k, v), check=check),
+            "floor_out": lambda: slab.copy_(flat),  # tensor -> pool, as scatter
+            "scatter": lambda: scatter(view, ids, k, v, check=check),
+        }
+        timed = timer(device)
+        for fn in ops.values():  # warm-up
+            fn()
+        best = {name: float("inf") for name in ops}
+        for _ in range(repeat):
+            for name, fn in ops.items():
+                best[name] = min(best[name], timed(fn))
+        # correctness while we are here: what was scattered is what was gathered
+        k2, v2 = gather(view, ids, check=check)
+        assert torch.equal(k2.view(torch.uint8), k.view(torch.uint8))
+    gbs = {name: nbytes / t / 1e9 for name, t in best.items()}
+    return {
+        "block_bytes": bpb,
+        "block_size": block_size,
+        "blocks": n,
+        "bytes": nbytes,
+        **{f"{name}_gbs": round(x, 2) for name, x in gbs.items()},
+        "gather_ratio": round(best["floor_in"] / best["gather"], 3),
+        "scatter_ratio": round(best["floor_out"] / best["scatter"], 3),
+    }
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--blocks", type=int, default=64, help="blocks gathered per call")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=7, help="timed rounds (best is kept)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no GPU", file=sys.stderr)
+        return 2
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    rows = [bench_size(args.device, bs, args.blocks, args.repeat, rng) for bs in BLOCK_SIZES]
+    big = [r for r in rows if r["block_bytes"] >= 64 << 10]
+    worst = min(min(r["gather_ratio"], r["scatter_ratio"]) for r in big)
+    result = {
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "blocks": args.blocks,
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "rows": rows,
+        "worst_ratio_ge_64k": worst,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"device {args.device}, {torch.get_num_threads()} torch threads, {args.blocks} random "
+          f"blocks per call, best of {args.repeat}")
+    print(f"{'block':>8} {'floor in':>9} {'gather':>9} {'ratio':>6} {'floor out':>9} "
+          f"{'scatter':>9} {'ratio':>6}   (GB/s)")
+    for r in rows:
+        print(f"{fmt_size(r['block_bytes']):>8} {r['floor_in_gbs']:9.2f} {r['gather_gbs']:9.2f} "
+              f"{r['gather_ratio']:6.2f} {r['floor_out_gbs']:9.2f} {r['scatter_gbs']:9.2f} "
+              f"{r['scatter_ratio']:6.2f}")
+    print(f"pool_copy: worst gather/scatter ratio to the copy floor for blocks >= 64 KiB: "
+          f"{worst:.2f} (goal 0.80)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
