@@ -70,6 +70,10 @@ def calculate(
     return CalcReport(layout, context_tokens, num_requests, memory_bytes, tuple(rows))
 
 
+def _two_units(n: float) -> str:
+    return format_bytes(n).replace(" (", "\n(")
+
+
 def render(report: CalcReport) -> Any:
     """A rich Table for people: one column per dtype, one row per figure."""
     from rich.table import Table
@@ -77,25 +81,25 @@ def render(report: CalcReport) -> Any:
     lay = report.layout
     title = (f"KV cache: {lay.num_layers} layers x {lay.num_kv_heads} kv_heads x "
              f"{lay.head_dim} head_dim, block_size {lay.block_size}")
+    if report.memory_bytes is not None:
+        title += f"; budget {format_bytes(report.memory_bytes)}"
     table = Table(title=title, caption=CAPTION)
-    table.add_column("")
+    table.add_column("", no_wrap=True)
     for row in report.rows:
         table.add_column(row.dtype, justify="right", no_wrap=True)
     lines: list[tuple[str, list[str]]] = [
         ("bytes / token", [f"{r.bytes_per_token:,}" for r in report.rows]),
         ("  of which scales", [f"{r.scale_bytes_per_token:,}" for r in report.rows]),
         (f"block ({lay.block_size} tokens)",
-         [format_bytes(r.bytes_per_block) for r in report.rows]),
-        (f"one {report.context_tokens:,}-token context",
-         [format_bytes(r.context_bytes) for r in report.rows]),
-        (f"{report.num_requests:,} such requests",
-         [format_bytes(r.requests_bytes) for r in report.rows]),
+         [_two_units(r.bytes_per_block) for r in report.rows]),
+        (f"{report.context_tokens:,}-token context",
+         [_two_units(r.context_bytes) for r in report.rows]),
+        (f"{report.num_requests:,} of them",
+         [_two_units(r.requests_bytes) for r in report.rows]),
     ]
     if report.memory_bytes is not None:
-        budget = format_bytes(report.memory_bytes)
-        lines.append((f"tokens in {budget}", [f"{r.tokens_in_memory:,}" for r in report.rows]))
-        lines.append((f"contexts in {budget}", [f"{r.requests_in_memory:,}" for r in report.rows]))
-    lines.append(("scales", [r.scheme for r in report.rows]))
+        lines.append(("tokens in budget", [f"{r.tokens_in_memory:,}" for r in report.rows]))
+        lines.append(("contexts in budget", [f"{r.requests_in_memory:,}" for r in report.rows]))
     for label, cells in lines:
         table.add_row(label, *cells)
     return table

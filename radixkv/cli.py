@@ -79,6 +79,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, ready)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from radixkv.demo import run_demo
+
+    return run_demo(requests=args.requests, json_out=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixkv",
@@ -128,9 +134,64 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-message-bytes", type=int, default=64 << 20,
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (127.0.0.1)")
+                   help="serve Prometheus metrics on this port (127.0.0.1; 0 or absent: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("demo", help="start the service on its defaults and show it working",
+                       description="The main job in one command: the memory calculator, the "
+                       "radix tree on a synthetic chat workload, then the service (host pool, "
+                       "Unix socket) answering engines, and what the cache did.")
+    p.add_argument("--requests", type=int, default=2000, help="synthetic requests (2000)")
+    p.add_argument("--json", action="store_true", help="print results as JSON on stdout")
+    p.set_defaults(func=cmd_demo)
+
+    # ---- inspect / stats / events: read-only views through the client (radixkv/inspector.py)
+    def run_view(args: argparse.Namespace) -> int:
+        from radixkv.inspector import run
+
+        return run(args)
+
+    def conn(suppress: bool) -> argparse.ArgumentParser:
+        # Sub-views repeat these flags with SUPPRESS defaults so that `inspect --json tree X`
+        # and `inspect tree X --json` both work (a subparser's defaults would overwrite).
+        d = argparse.SUPPRESS if suppress else None
+        c = argparse.ArgumentParser(add_help=False)
+        where = c.add_mutually_exclusive_group()
+        where.add_argument("--socket", metavar="PATH", default=d,
+                           help="the service's Unix socket (default: as the client resolves it)")
+        where.add_argument("--target", metavar="TARGET", default=d,
+                           help="a gRPC target instead, e.g. unix:///path or 127.0.0.1:50051")
+        c.add_argument("--json", action="store_true", default=d or False,
+                       help="machine-readable output")
+        return c
+
+    p = sub.add_parser("inspect", parents=[conn(False)], help="look into a running cache",
+                       description="Views of a running service: the summary (default), one "
+                       "namespace's radix tree, or its hottest prefixes.")
+    views = p.add_subparsers(dest="view", metavar="VIEW")
+    views.add_parser("summary", parents=[conn(True)], help="pool, hit rates, namespaces")
+    v = views.add_parser("tree", parents=[conn(True)], help="one namespace's radix tree")
+    v.add_argument("namespace")
+    v.add_argument("--depth", type=int, default=0, help="edges to show (0: all)")
+    v = views.add_parser("top", parents=[conn(True)], help="hottest prefixes of a namespace",
+                         description="Prefixes ranked by hits (matches that reused them) or "
+                         "tokens saved (hits x prefix tokens).")
+    v.add_argument("namespace")
+    v.add_argument("--by", choices=["hits", "tokens-saved"], default="hits")
+    v.add_argument("-n", type=int, default=10, help="how many (10)")
+    p.set_defaults(func=run_view)
+    p = sub.add_parser("stats", parents=[conn(False)], help="the cache summary, once or live")
+    p.add_argument("--watch", type=float, default=0, metavar="SECONDS",
+                   help="refresh every SECONDS until Ctrl-C")
+    p.set_defaults(func=run_view)
+    p = sub.add_parser("events", parents=[conn(False)], help="tail the KV event stream")
+    p.add_argument("--from", dest="from_sequence", type=int, default=0, metavar="SEQ",
+                   help="replay from this sequence number if still buffered (default: new only)")
+    p.add_argument("--namespace", default="", help="only this namespace's events")
+    p.add_argument("--count", type=int, default=0, help="exit after this many events")
+    p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds")
+    p.set_defaults(func=run_view)
 
     return parser
 
