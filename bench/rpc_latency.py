@@ -1,0 +1,252 @@
+"""RPC latency and throughput of the real service against a gRPC echo floor.
+
+    python bench/rpc_latency.py                    # ~1 minute on 2 cores
+    python bench/rpc_latency.py --json
+
+Starts `radixkv serve` (Unix socket + TCP on 127.0.0.1) and an echo server (same grpcio, same
+thread-pool server, a handler that does nothing but reply) in subprocesses. For each transport:
+Match p50/p99 unbatched, Allocate+Insert p50/p99, batched Match (--batch queries a call), and
+1 vs N client processes. The echo floor carries the same request bytes and replies with as many
+bytes as Match's reply, so the ratio isolates what the service itself costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import percentile_us  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+        "hidden_size": 4, "torch_dtype": "float32"}  # 512 B blocks at block_size 16
+ECHO_METHOD = "/bench.Echo/Echo"
+
+
+# ---- the echo floor ------------------------------------------------------------------------
+
+def serve_echo(unix: str, tcp_port: int, reply_bytes: int) -> None:
+    import grpc
+
+    reply = b"\0" * reply_bytes
+    handler = grpc.method_handlers_generic_handler("bench.Echo", {
+        "Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: reply)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
+        ("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix://{unix}")
+    server.add_insecure_port(f"127.0.0.1:{tcp_port}")
+    server.start()
+    print("echo ready", flush=True)
+    signal.sigwait([signal.SIGTERM])
+    server.stop(0)
+
+
+def start(args: list[str], ready: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(ready):
+            return proc
+    raise RuntimeError(f"{args[:4]} did not start")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- workers (run in spawned processes so clients never share a GIL) ------------------------
+
+def prompt(seed: int, n: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 32000, n, dtype="<u4").tobytes()
+
+
+def run_match(target: str, prompts: list[bytes], batch: int, seconds: float,
+              barrier_at: float) -> dict[str, object]:
+    from radixkv.client import Client
+
+    kv = Client(target)
+    kv.wait_ready()
+    lat, leases = [], []
+    while time.time() < barrier_at:
+        time.sleep(0.001)
+    deadline = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < deadline:
+        queries = [("bench", prompts[(i + j) % len(prompts)]) for j in range(batch)]
+        t0 = time.perf_counter()
+        results = kv.match_many(queries)
+        lat.append(time.perf_counter() - t0)
+        leases.extend(r.lease_id for r in results)
+        i += batch
+    for k in range(0, len(leases), 1000):
+        kv.release(*leases[k:k + 1000])
+    kv.close()
+    return {"lat": lat, "requests": len(lat) * batch}
+
+
+def run_echo(target: str, payload: bytes, seconds: float, barrier_at: float
+             ) -> dict[str, object]:
+    import grpc
+
+    ch = grpc.insecure_channel(target)
+    call = ch.unary_unary(ECHO_METHOD)
+    call(payload, timeout=10)
+    lat = []
+    while time.time() < barrier_at:
+        time.sleep(0.001)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        call(payload, timeout=10)
+        lat.append(time.perf_counter() - t0)
+    ch.close()
+    return {"lat": lat, "requests": len(lat)}
+
+
+def run_clients(fn, n: int, args: tuple, seconds: float) -> dict[str, float]:  # type: ignore
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(n) as pool:
+        barrier_at = time.time() + 3.0  # all processes start timing together
+        results = pool.starmap(fn, [(*args, seconds, barrier_at)] * n)
+    lat = np.concatenate([np.asarray(r["lat"]) for r in results])
+    requests = sum(int(r["requests"]) for r in results)  # type: ignore[call-overload]
+    return {"p50_us": percentile_us(lat, 50), "p99_us": percentile_us(lat, 99),
+            "calls_per_s": len(lat) / seconds, "requests_per_s": requests / seconds}
+
+
+def allocate_insert(target: str, num_tokens: int, block_size: int, iters: int) -> dict[str, float]:
+    from radixkv.client import Client
+
+    kv = Client(target)
+    lat, leases = [], []
+    for i in range(iters):
+        tokens = prompt(10_000 + i, num_tokens)
+        t0 = time.perf_counter()
+        a = kv.allocate(num_tokens // block_size, namespace="bench-insert")
+        kv.insert("bench-insert", tokens, a.block_ids, a.lease_id)
+        lat.append(time.perf_counter() - t0)
+        leases.append(a.lease_id)
+        if len(leases) >= 50:
+            kv.release(*leases)
+            leases = []
+    if leases:
+        kv.release(*leases)
+    kv.close()
+    arr = np.asarray(lat)
+    return {"p50_us": percentile_us(arr, 50), "p99_us": percentile_us(arr, 99)}
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=3.0, help="per measurement (3)")
+    p.add_argument("--clients", type=int, default=8, help="client processes for throughput (8)")
+    p.add_argument("--batch", type=int, default=32, help="queries per batched Match (32)")
+    p.add_argument("--transports", default="unix,tcp")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--echo-server", nargs=3, metavar=("UNIX", "PORT", "REPLY_BYTES"),
+                   help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.echo_server:
+        serve_echo(args.echo_server[0], int(args.echo_server[1]), int(args.echo_server[2]))
+        return 0
+
+    tmp = tempfile.mkdtemp(prefix="rkvb-")
+    cfg = os.path.join(tmp, "config.json")
+    Path(cfg).write_text(json.dumps(TINY))
+    sock, echo_sock = os.path.join(tmp, "kv.sock"), os.path.join(tmp, "echo.sock")
+    kv_port, echo_port = free_port(), free_port()
+    procs = []
+    results: dict[str, object] = {"prompt_tokens": args.prompt_tokens, "batch": args.batch,
+                                  "clients": args.clients}
+    try:
+        procs.append(start([sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
+                            "--tcp", f"127.0.0.1:{kv_port}", "--model-config", cfg,
+                            "--block-size", str(args.block_size), "--num-blocks", "65536",
+                            "--lease-ttl", "600", "--log-level", "warning"], "radixkv serving"))
+        from radixkv.client import Client
+        from radixkv.v1 import radixkv_pb2 as pb
+
+        prompts = [prompt(args.seed * 1000 + i, args.prompt_tokens) for i in range(64)]
+        with Client(sock) as kv:  # cache every prompt so each Match is a full hit
+            for t in prompts:
+                a = kv.allocate(args.prompt_tokens // args.block_size, namespace="bench")
+                kv.insert("bench", t, a.block_ids, a.lease_id)
+                kv.release(a.lease_id)
+            m = kv.match("bench", prompts[0])
+            kv.release(m.lease_id)
+        payload = pb.MatchRequest(client_id="x" * 40, queries=[
+            pb.MatchQuery(namespace="bench", tokens=prompts[0])]).SerializeToString()
+        reply = pb.MatchResponse(results=[pb.MatchResult(
+            lease_id=2**62, num_tokens=m.num_tokens, block_ids=m.block_ids)]).ByteSize()
+        procs.append(start([sys.executable, __file__, "--echo-server", echo_sock,
+                            str(echo_port), str(reply)], "echo ready"))
+
+        for transport in args.transports.split(","):
+            kv_t = f"unix://{sock}" if transport == "unix" else f"127.0.0.1:{kv_port}"
+            echo_t = f"unix://{echo_sock}" if transport == "unix" else f"127.0.0.1:{echo_port}"
+            r: dict[str, object] = {}
+            s = args.seconds
+            r["echo_1"] = run_clients(run_echo, 1, (echo_t, payload), s)
+            r["match_1"] = run_clients(run_match, 1, (kv_t, prompts, 1), s)
+            r["match_batched_1"] = run_clients(run_match, 1, (kv_t, prompts, args.batch), s)
+            r["echo_n"] = run_clients(run_echo, args.clients, (echo_t, payload), s)
+            r["match_n"] = run_clients(run_match, args.clients, (kv_t, prompts, 1), s)
+            r["allocate_insert"] = allocate_insert(kv_t, args.prompt_tokens, args.block_size,
+                                                   200)
+            r["ratios"] = {
+                "match_p50_over_echo_p50": r["match_1"]["p50_us"] / r["echo_1"]["p50_us"],
+                "match_n_over_echo_n_throughput":
+                    r["match_n"]["calls_per_s"] / r["echo_n"]["calls_per_s"],
+                "batched_over_unbatched_requests_per_s":
+                    r["match_batched_1"]["requests_per_s"] / r["match_1"]["requests_per_s"],
+            }
+            results[transport] = r
+            if not args.json:
+                ratios = r["ratios"]
+                print(f"[{transport}] {args.prompt_tokens}-token prompts: "
+                      f"Match p50 {r['match_1']['p50_us']:.0f} us p99 "
+                      f"{r['match_1']['p99_us']:.0f} us | echo p50 "
+                      f"{r['echo_1']['p50_us']:.0f} us | ratio "
+                      f"{ratios['match_p50_over_echo_p50']:.2f}x")
+                print(f"[{transport}] {args.clients} clients: Match "
+                      f"{r['match_n']['calls_per_s']:.0f} calls/s vs echo "
+                      f"{r['echo_n']['calls_per_s']:.0f} calls/s | ratio "
+                      f"{ratios['match_n_over_echo_n_throughput']:.2f}")
+                print(f"[{transport}] batched x{args.batch}: "
+                      f"{r['match_batched_1']['requests_per_s']:.0f} req/s vs unbatched "
+                      f"{r['match_1']['requests_per_s']:.0f} req/s | "
+                      f"{ratios['batched_over_unbatched_requests_per_s']:.1f}x")
+                print(f"[{transport}] Allocate+Insert p50 {r['allocate_insert']['p50_us']:.0f} us"
+                      f" p99 {r['allocate_insert']['p99_us']:.0f} us")
+        if args.json:
+            print(json.dumps(results, indent=2))
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(20)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
