@@ -7,12 +7,15 @@ on whichever device the view lives).
 
 How: a (block, layer, K|V) slice of the pool, block_size x kv_heads x head_dim elements, is
 contiguous both in the pool and in the engine tensor. Both sides are reinterpreted as 2-d arrays
-of such rows ("units"), and one index_select (gather) or index_copy_ (scatter) moves all rows of
-K, and one more all rows of V: no Python loop over blocks. Rows are reinterpreted as the widest
-integer type that divides them (bit-exact for any dtype, fewer elements for the element-wise
-kernels), and rows of 32768 or more elements are split in equal parts, because ATen's CPU
-index_select copies rows below that size (its GRAIN_SIZE) with parallel memcpy, and larger rows
-one by one through a slower path.
+of such rows ("units"), and one indexed copy moves all rows of K, one more all rows of V: no
+Python loop over blocks. Gather is torch.index_select; scatter is index_copy_ on cuda and, on
+CPU, numpy's fancy assignment (one memmove per row, where torch's CPU index_copy_ copies element
+by element; it is single-threaded, and kept its pace when other processes loaded the cores, when
+torch's two-thread kernels did not). Rows are reinterpreted as the widest integer type that
+divides them (bit-exact for any dtype, fewer elements for the element-wise kernels), and rows of
+32768 or more elements are split in equal parts, because ATen's CPU index_select copies rows
+below that size (its GRAIN_SIZE) with parallel memcpy, and larger rows one by one through a
+slower path.
 """
 
 from __future__ import annotations

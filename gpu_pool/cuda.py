@@ -149,10 +149,14 @@ class CudaBlockPool(BlockPool):
             try:
                 self._mem: Any = cupy.cuda.Memory(self.nbytes)
             except (runtime.CUDARuntimeError, MemoryError) as e:
-                free, total = runtime.memGetInfo()
+                try:
+                    free, total = runtime.memGetInfo()
+                    room = f"{format_bytes(free)} free of {format_bytes(total)}"
+                except runtime.CUDARuntimeError:
+                    room = "free memory unknown"
                 raise OutOfBlocks(
                     f"cannot allocate {format_bytes(self.nbytes)} for {self.num_blocks} blocks "
-                    f"on cuda:{device} ({format_bytes(free)} free of {format_bytes(total)}): {e}"
+                    f"on cuda:{device} ({room}): {e}"
                 ) from None
             runtime.memset(self._mem.ptr, 0, self.nbytes)
             runtime.deviceSynchronize()

@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpu_pool.base import BlockPool, PoolHandle, PoolMapping, pid_alive
-from radixkv.errors import InvalidArgument, OutOfBlocks, StalePool, Unavailable
+from radixkv.errors import (
+    InvalidArgument,
+    OutOfBlocks,
+    PermissionDenied,
+    StalePool,
+    Unavailable,
+)
 from radixkv.layout import KVLayout, format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily, on the first torch view
@@ -54,7 +60,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 # Segments this process owns and has not unlinked yet: path -> owner pid (the pid guards
 # forked children, which inherit this dict but must not unlink their parent's segments).
 _LIVE: dict[str, int] = {}
-_LIVE_LOCK = threading.Lock()
+_LIVE_LOCK = threading.RLock()  # re-entrant: the signal handler runs on the main thread
 
 
 def _round_up(n: int, granule: int) -> int:
@@ -324,6 +330,11 @@ class HostPoolMapping(PoolMapping):
                 f"shared-memory segment {handle.name!r} (pool epoch {handle.epoch}) is gone: "
                 f"its owner (pid {handle.owner_pid}) closed the pool or exited; fetch the pool "
                 "handle again"
+            ) from None
+        except PermissionError:
+            raise PermissionDenied(
+                f"cannot open shared-memory segment {path!r} read-write: it belongs to another "
+                "user (the owner creates it with mode 0600 unless told otherwise)"
             ) from None
         try:
             size = os.fstat(fd).st_size
