@@ -23,7 +23,7 @@ from _server import RunningServer, running_server  # noqa: E402
 from radixkv.client import Client  # noqa: E402
 from radixkv.engines import tiny_llama  # noqa: E402
 from radixkv.engines.demo import demo_serve_flags, run_engine_demo  # noqa: E402
-from radixkv.engines.hf import Engine, PrefillResult  # noqa: E402
+from radixkv.engines.hf import Engine, PrefillResult, cache_layers  # noqa: E402
 from radixkv.errors import InvalidArgument  # noqa: E402
 
 ATOL = 1e-4
@@ -69,8 +69,8 @@ def assert_same_as_recompute(engine: Engine, tokens: list[int], got: PrefillResu
     base = engine.prefill_no_cache(tokens)
     torch.testing.assert_close(got.logits_last, base.logits_last, atol=ATOL, rtol=0)
     # the cache built from pool blocks + suffix holds the KV a full recompute holds
-    for (k, v), (bk, bv) in zip(engine._cache_layers(got.cache),
-                                engine._cache_layers(base.cache), strict=True):
+    for (k, v), (bk, bv) in zip(cache_layers(got.cache),
+                                cache_layers(base.cache), strict=True):
         torch.testing.assert_close(k, bk, atol=ATOL, rtol=0)
         torch.testing.assert_close(v, bv, atol=ATOL, rtol=0)
 
@@ -155,3 +155,26 @@ def test_two_engine_processes_share_kv() -> None:
     assert [(r["engine"], r["cached_tokens"]) for r in requests] == [
         (0, 0), (1, 400), (1, 464), (0, 464)]  # 400 = system prompt; 464: 400 + 60 + 5 tokens
     assert report["all_match"], requests
+
+
+def test_a_restarted_service_is_reattached(model: Any) -> None:
+    prompt = make_tokens(40, seed=30)
+    with tempfile.TemporaryDirectory(prefix="rkv-hf-") as directory:
+        config = tiny_llama.write_config(directory, "test")
+        sock = f"{directory}/s.sock"
+        with running_server("--model-config", config, socket_path=sock) as first:
+            engine = Engine(model, first.socket, "restart")
+            engine.prefill(prompt)
+            assert engine.prefill(prompt).cached_tokens == 39
+        with running_server("--model-config", config, socket_path=sock):
+            assert engine.kv is not None
+            engine.kv.wait_ready()
+            got = engine.prefill(prompt)  # new epoch: re-attached, nothing cached yet
+            assert got.cached_tokens == 0
+            assert_same_as_recompute(engine, prompt, got)
+            fresh = Engine(model, sock, "restart")  # sees what went through the new mapping
+            again = fresh.prefill(prompt)
+            assert again.cached_tokens == 39
+            assert_same_as_recompute(fresh, prompt, again)
+            fresh.close()
+        engine.close()

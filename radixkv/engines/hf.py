@@ -41,6 +41,14 @@ def pool_layout_for(model_config: Any, block_size: int, dtype: str | None = None
     return KVLayout.from_hf_config(cfg, dtype=dtype, block_size=block_size)
 
 
+def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer of a transformers DynamicCache, each [batch, kv_heads, seq,
+    head_dim]; no copy."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     logits_last: torch.Tensor  # [vocab]: logits after the last prompt token
@@ -58,13 +66,17 @@ class Engine:
     Not thread-safe: one prompt at a time."""
 
     def __init__(self, model: Any, service: Client | str | None = None,
-                 namespace: str = "default") -> None:
+                 namespace: str | None = None) -> None:
+        if service is not None and not namespace:
+            raise InvalidArgument("an engine with a radixkv service needs a namespace naming its "
+                                  "weights (e.g. model id and revision)")
         self.model = model
-        self.namespace = namespace
+        self.namespace = namespace or ""
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5/4
+        self._owns_client = isinstance(service, str)
         self.kv = Client(service) if isinstance(service, str) else service
         self.layout: KVLayout | None = None
         if self.kv is not None:
@@ -84,8 +96,17 @@ class Engine:
         self.kv.pool(refresh=True)  # map the pool now, not on the first request
 
     def close(self) -> None:
-        if self.kv is not None:
+        """Close the client if the engine opened it (from a socket path)."""
+        if self.kv is not None and self._owns_client:
             self.kv.close()
+
+    def _pool_view(self) -> torch.Tensor:
+        """The pool, re-attached if the service restarted (one PoolInfo call): block ids the
+        new service hands out must not be written through a mapping of the old pool."""
+        assert self.kv is not None
+        if self.kv.check_epoch():
+            self._check_layout()
+        return self.kv.pool().view()
 
     # ---- model plumbing ----------------------------------------------------------------------
 
@@ -99,18 +120,13 @@ class Engine:
 
     def _forward(self, tokens: Sequence[int], start: int, cache: Any) -> torch.Tensor:
         """Run `tokens` at positions start.. on top of `cache` (which grows); last logits."""
-        ids = torch.tensor([list(tokens)], dtype=torch.long)
-        positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
+        device = self.model.device
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
         out = self.decoder(input_ids=ids, position_ids=positions, use_cache=True,
                            **{self._cache_kw: cache})
         logits: torch.Tensor = self.lm_head(out.last_hidden_state[0, -1])
         return logits.float()
-
-    @staticmethod
-    def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if hasattr(cache, "layers"):
-            return [(layer.keys, layer.values) for layer in cache.layers]
-        return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
 
     # ---- the request path --------------------------------------------------------------------
 
@@ -124,9 +140,7 @@ class Engine:
         if not tokens:
             raise InvalidArgument("prefill needs at least one token")
         t0 = time.perf_counter()
-        if self.kv.check_epoch():  # the service restarted: block ids of the old pool are gone
-            self._check_layout()
-        view = self.kv.pool().view()
+        view = self._pool_view()
         tokens = list(tokens)
         with self.kv.lease(self.namespace, tokens) as lease:
             t1 = time.perf_counter()
@@ -136,6 +150,7 @@ class Engine:
                 assert self.layout is not None
                 num_blocks = -(-use // self.layout.block_size)
                 k, v = gather(view, lease.block_ids[:num_blocks])  # [layers, tokens, heads, dim]
+                k, v = k.to(self.model.device), v.to(self.model.device)  # host pool, GPU model
                 for layer in range(k.shape[0]):
                     cache.update(k[layer, :use].transpose(0, 1).unsqueeze(0),
                                  v[layer, :use].transpose(0, 1).unsqueeze(0), layer)
@@ -175,13 +190,13 @@ class Engine:
             log.warning("not caching %d blocks: %s", num_full - have, e)
             return 0
         start, end = have * block_size, num_full * block_size
-        layers = self._cache_layers(cache)
+        layers = cache_layers(cache)
         # DynamicCache layers are [batch 1, kv_heads, seq, head_dim]; the pool wants
         # [layers, tokens, kv_heads, head_dim]
         k = torch.stack([key[0, :, start:end].transpose(0, 1) for key, _ in layers])
         v = torch.stack([value[0, :, start:end].transpose(0, 1) for _, value in layers])
-        scatter(view, new, k, v)  # on cuda: synchronize before Insert (the copy is queued)
-        if view.is_cuda:
+        scatter(view, new, k.to(view.device), v.to(view.device))
+        if view.is_cuda:  # the copy is queued: complete it before Insert publishes the blocks
             torch.cuda.current_stream(view.device).synchronize()
         lease.insert(tokens[:end], lease.block_ids + new)
         return len(new)
@@ -192,10 +207,10 @@ class Engine:
         decoding, so that the next turn reuses the answer too). Returns blocks written."""
         if self.kv is None:
             return 0
-        seq_len = self._cache_layers(cache)[0][0].shape[-2]
+        seq_len = cache_layers(cache)[0][0].shape[-2]
         tokens = list(tokens)[:seq_len]
         with self.kv.lease(self.namespace, tokens) as lease:
-            return self._store(lease, tokens, cache, self.kv.pool().view())
+            return self._store(lease, tokens, cache, self._pool_view())
 
     @torch.inference_mode()
     def decode(self, prompt: Sequence[int], result: PrefillResult, max_new_tokens: int,
