@@ -6,7 +6,7 @@ Block sizes 16 KiB .. 4 MiB come from block_size tokens x a small layout (2 laye
 head_dim 128, fp16: 8 KiB per token). Timings are the best of --repeat rounds, each round
 running floor, gather and scatter back to back (so noise from other processes hits them alike).
 
-    .venv/bin/python bench/pool_copy.py --device cpu --blocks 64 --repeat 7
+    .venv/bin/python bench/pool_copy.py --device cpu --blocks 256 --repeat 15
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def fmt_size(n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--blocks", type=int, default=64, help="blocks gathered per call")
+    parser.add_argument("--blocks", type=int, default=256, help="blocks gathered per call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds (best is kept)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
