@@ -513,3 +513,18 @@ def test_importing_gpu_pool_imports_neither_torch_nor_cupy() -> None:
     code = "import sys, gpu_pool; print(sorted({'torch', 'cupy'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_signal_cleanup_keeps_an_ignored_signal_ignored() -> None:
+    before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        install_signal_cleanup([signal.SIGUSR1])
+        with make_pool(2) as pool:
+            name = pool.export().name
+            os.kill(os.getpid(), signal.SIGUSR1)  # handled before the next bytecode
+            assert segments() == []  # unlinked; this process goes on, its pool still mapped
+            assert int(pool.numpy_view().sum()) == 0
+            assert name not in os.listdir(SHM_DIR)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        gpu_pool.host._installed.discard(signal.SIGUSR1)
