@@ -54,6 +54,10 @@ class EvictionPolicy(ABC, Generic[T]):
         """Remove and return the next victim; IndexError when empty."""
 
     @abstractmethod
+    def peek_key(self) -> tuple[Any, ...] | None:
+        """The next victim's sort key (without node id), or None when empty. Read-only."""
+
+    @abstractmethod
     def __len__(self) -> int: ...
 
     @abstractmethod
@@ -97,6 +101,12 @@ class _HeapPolicy(EvictionPolicy[T]):
                 del live[entry[-2]]
                 return cast(T, entry[-1])
         raise IndexError("pop from an empty eviction policy")
+
+    def peek_key(self) -> tuple[Any, ...] | None:
+        heap, live = self._heap, self._live
+        while heap and live.get(heap[0][-2]) is not heap[0]:
+            heapq.heappop(heap)  # drop stale entries; the live set is unchanged
+        return heap[0][:-2] if heap else None
 
     def __len__(self) -> int:
         return len(self._live)

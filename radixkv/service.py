@@ -22,6 +22,7 @@ is microseconds, so finer locking would not pay on CPython.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import secrets
 import threading
@@ -151,8 +152,7 @@ class KVService:
         self._lease_of_block: dict[int, int] = {}
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
         self._num_expired = 0
-        self._ns_order = itertools.count()  # namespace LRU for cross-namespace eviction
-        self._ns_used: dict[str, int] = {}
+        self._ticks = itertools.count(1)  # one LRU clock for every namespace's tree
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -182,7 +182,6 @@ class KVService:
                 ns.requests += 1
                 ns.query_tokens += len(tokens) // 4
                 ns.hit_tokens += m.num_tokens
-                self._touch_namespace(namespace)
                 self._recent.append((len(tokens) // 4, m.num_tokens))
                 out.append(MatchOutcome(lease.lease_id, m.num_tokens, m.block_ids))
         return out
@@ -258,7 +257,6 @@ class KVService:
             if m.num_tokens:
                 ns.tree.lock(m.handle, hit=False)
                 lease.handles.append(m.handle)
-            self._touch_namespace(namespace)
             self.events.publish(namespace, ns.tree.take_events())
             return InsertOutcome(tuple(result.adopted), tuple(result.duplicates),
                                  result.num_cached_tokens)
@@ -378,12 +376,11 @@ class KVService:
             if len(self._namespaces) >= self.config.max_namespaces:
                 raise OutOfBlocks(f"{len(self._namespaces)} namespaces exist, limit "
                                   f"{self.config.max_namespaces}")
-            ns = _Namespace(name, RadixTree(self.block_size, self.config.policy))
+            tree = RadixTree(self.block_size, self.config.policy,
+                             clock=functools.partial(next, self._ticks))
+            ns = _Namespace(name, tree)
             self._namespaces[name] = ns
         return ns
-
-    def _touch_namespace(self, name: str) -> None:
-        self._ns_used[name] = next(self._ns_order)
 
     def _open_lease(self, owner: str, namespace: str) -> _Lease:
         lease_id = secrets.randbits(63) or 1
@@ -426,8 +423,9 @@ class KVService:
         return len(freed)
 
     def _make_room(self, num_blocks: int) -> int:
-        """Evict until `num_blocks` are free: least recently used namespace first, LRU leaves
-        within it. Raises OutOfBlocks (nothing evicted) when even that cannot make room."""
+        """Evict until `num_blocks` are free, least recently used leaf first across all
+        namespaces (their trees share one clock, so their victims compare). Raises OutOfBlocks,
+        evicting nothing, when even that cannot make room."""
         need = num_blocks - self.pool.num_free
         if need <= 0:
             return 0
@@ -439,14 +437,24 @@ class KVService:
                 f"{sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())} pinned "
                 f"(pool {self.pool.num_blocks})")
         evicted = 0
-        for name in sorted(self._namespaces, key=lambda n: self._ns_used.get(n, -1)):
-            ns = self._namespaces[name]
-            freed = ns.tree.evict(need - evicted)
-            if freed:
-                self.pool.free(freed)
-                ns.evicted_blocks += len(freed)
-                evicted += len(freed)
-                self.events.publish(name, ns.tree.take_events())
-            if evicted >= need:
-                break
+        touched: set[str] = set()
+        while evicted < need:
+            keyed = sorted((key, name) for name, ns in self._namespaces.items()
+                           if (key := ns.tree.next_victim_key()) is not None)
+            ns = self._namespaces[keyed[0][1]]
+            touched.add(ns.name)
+            if len(keyed) == 1:
+                freed = ns.tree.evict(need - evicted)
+            else:  # take the oldest tree's blocks while they stay older than the runner-up's
+                freed = []
+                while evicted + len(freed) < need:
+                    freed += ns.tree.evict(1)
+                    key = ns.tree.next_victim_key()
+                    if key is None or key > keyed[1][0]:
+                        break
+            self.pool.free(freed)
+            ns.evicted_blocks += len(freed)
+            evicted += len(freed)
+        for name in touched:
+            self.events.publish(name, self._namespaces[name].tree.take_events())
         return evicted

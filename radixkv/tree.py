@@ -17,7 +17,7 @@ is exactly per-block leaf eviction in a tree of 1-block nodes. Nothing here does
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +135,10 @@ class RadixTree:
         policy: str | EvictionPolicy[Any] = "lru",
         *,
         record_events: bool = True,
+        clock: Callable[[], int] | None = None,
     ) -> None:
+        """`clock` gives the logical ticks that order touches; trees that share one (a service
+        with several namespaces) can compare their victims with `next_victim_key()`."""
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
         self._block_size = block_size
@@ -148,6 +151,7 @@ class RadixTree:
         self._root = _Node(0, None, b"", [], 0, 0, time.time())
         self._next_id = 1
         self._tick = 0
+        self._clock = clock
         self._version = 0  # bumped by every structural change; fresh handles must match it
         self._block_index: dict[int, _Node] = {}
         self._num_nodes = self._num_locked = self._num_evicted = self._num_inserted = 0
@@ -169,6 +173,11 @@ class RadixTree:
     @property
     def num_evictable_blocks(self) -> int:
         return len(self._block_index) - self._num_locked
+
+    def next_victim_key(self) -> tuple[Any, ...] | None:
+        """The policy's sort key of the leaf evict() would trim next (None if nothing is
+        evictable). Comparable across trees that share a clock."""
+        return self._policy.peek_key()
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -430,7 +439,7 @@ class RadixTree:
         return handle
 
     def _next_tick(self) -> int:
-        self._tick += 1
+        self._tick = self._clock() if self._clock is not None else self._tick + 1
         return self._tick
 
     def _add_depth(self, depth: int) -> None:

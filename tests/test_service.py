@@ -145,3 +145,16 @@ def test_events_follow_inserts_and_evictions(svc):
     assert events[0].block_hashes[1] == events[1].block_hashes[0]
     for lease in list(svc._leases):
         svc.release("e", [lease])
+
+
+def test_eviction_is_lru_across_namespaces_not_per_namespace(svc):
+    fill(svc, "a", toks(*range(12)))  # a1: blocks 0 1 2, the oldest
+    fill(svc, "b", toks(*range(8)))  # b1: blocks 3 4
+    fill(svc, "a", toks(*range(100, 112)))  # a2: blocks 5 6 7; "a" is the newer namespace
+    r = svc.allocate("e", None, "b", 3)  # evicts a1's 3 blocks, not b1's older namespace
+    assert r.num_evicted == 3 and r.block_ids == (2, 1, 0)
+    hits = [svc.match("e", ns, toks(*t)).num_tokens
+            for ns, t in (("a", range(12)), ("b", range(8)), ("a", range(100, 112)))]
+    assert hits == [0, 8, 12]
+    for lease in list(svc._leases):
+        svc.release("e", [lease])
