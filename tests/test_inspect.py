@@ -29,22 +29,23 @@ def request(kv: Client, ns: str, tokens: list[int]) -> None:
 def server():
     """14 blocks. The chat tree ends up as (node ids as the tree assigns them):
 
-        root -- n2 [SYS] blocks 0 1 --- n1 [Q1] block 2 --- n4 [LONG] blocks 4..11
-                                     \\-- n3 [Q2] block 3
+        root -- n2 [SYS] blocks 1 2 --- n1 [Q1] block 3 --- n4 [LONG] blocks 5..12
+                                     \\-- n3 [Q2] block 4
 
     n1 was inserted as SYS+Q1 and split by the first match of SYS (the front became n2). A
     lease stays open pinning SYS+Q2, and a second holds 2 blocks allocated in `docs`, which
-    evicted docs' only block."""
+    evicted docs' only block (the least recently used leaf, in the least recently used
+    namespace)."""
     with running_server(num_blocks=14) as s, Client(s.socket) as kv:
-        request(kv, "chat", SYS + Q1)  # blocks 0 1 2             event 1
-        request(kv, "chat", SYS + Q2)  # hit 8; block 3           event 2
+        request(kv, "docs", [100, 101, 102, 103])  # block 0          event 1
+        request(kv, "chat", SYS + Q1)  # blocks 1 2 3                 event 2
+        request(kv, "chat", SYS + Q2)  # hit 8; block 4               event 3
         request(kv, "chat", SYS + Q1)  # hit 12
-        request(kv, "chat", SYS + Q1 + LONG)  # hit 12; 4..11      event 3
+        request(kv, "chat", SYS + Q1 + LONG)  # hit 12; blocks 5..12   event 4
         request(kv, "chat", SYS + Q1 + LONG)  # hit 44
-        request(kv, "docs", [100, 101, 102, 103])  # block 12      event 4
         held = kv.match("chat", SYS + Q2)  # hit 12, pins n2 and n3
-        extra = kv.allocate(2, namespace="docs")  # evicts block 12  event 5
-        assert held.num_tokens == 12 and extra.block_ids == (13, 12)
+        extra = kv.allocate(2, namespace="docs")  # evicts block 0     event 5
+        assert held.num_tokens == 12 and extra.block_ids == (13, 0)
         yield s
         kv.release(held.lease_id, extra.lease_id)
 
@@ -90,16 +91,16 @@ def test_summary_json(server):
 
 def test_tree_json_largest_subtree_first(server):
     n4 = {"node_id": 4, "tokens": 32, "blocks": 8, "depth_tokens": 44, "lock_count": 0,
-          "hits": 1, "first_token_ids": LONG[:8], "block_ids": list(range(4, 12)),
+          "hits": 1, "first_token_ids": LONG[:8], "block_ids": list(range(5, 13)),
           "subtree_tokens": 32, "subtree_blocks": 8, "children": [], "hidden_nodes": 0}
     n1 = {"node_id": 1, "tokens": 4, "blocks": 1, "depth_tokens": 12, "lock_count": 0,
-          "hits": 3, "first_token_ids": Q1, "block_ids": [2], "subtree_tokens": 36,
+          "hits": 3, "first_token_ids": Q1, "block_ids": [3], "subtree_tokens": 36,
           "subtree_blocks": 9, "children": [n4], "hidden_nodes": 0}
     n3 = {"node_id": 3, "tokens": 4, "blocks": 1, "depth_tokens": 12, "lock_count": 1,
-          "hits": 1, "first_token_ids": Q2, "block_ids": [3], "subtree_tokens": 4,
+          "hits": 1, "first_token_ids": Q2, "block_ids": [4], "subtree_tokens": 4,
           "subtree_blocks": 1, "children": [], "hidden_nodes": 0}
     n2 = {"node_id": 2, "tokens": 8, "blocks": 2, "depth_tokens": 8, "lock_count": 1,
-          "hits": 5, "first_token_ids": SYS, "block_ids": [0, 1], "subtree_tokens": 48,
+          "hits": 5, "first_token_ids": SYS, "block_ids": [1, 2], "subtree_tokens": 48,
           "subtree_blocks": 12, "children": [n1, n3], "hidden_nodes": 0}
     t = cli_json(server, "inspect", "tree", "chat")
     assert strip_ages(t) == {"namespace": "chat", "last_sequence": 5, "depth": 0, "nodes": 4,
@@ -129,16 +130,16 @@ def test_events_json_lines(server):
     out = cli(server, "events", "--from", "1", "--count", "5", "--json").stdout
     events = [json.loads(line) for line in out.splitlines()]
     assert [(e["sequence"], e["namespace"], e["type"], e["block_ids"]) for e in events] == [
-        (1, "chat", "BlockStored", [0, 1, 2]), (2, "chat", "BlockStored", [3]),
-        (3, "chat", "BlockStored", list(range(4, 12))), (4, "docs", "BlockStored", [12]),
-        (5, "docs", "BlockRemoved", [12])]
-    assert events[0]["token_ids"] == SYS + Q1 and events[0]["parent_block_id"] is None
-    assert events[2]["parent_block_id"] == 2 and events[2]["token_ids"] == LONG
-    assert events[2]["parent_block_hash"] == events[0]["block_hashes"][2]
-    assert events[4]["block_hashes"] == events[3]["block_hashes"]
-    human = cli(server, "events", "--from", "4", "--namespace", "docs", "--count", "2").stdout
-    assert [line.split()[0] for line in human.splitlines()] == ["#4", "#5"]
-    assert "BlockRemoved blocks [12]" in human
+        (1, "docs", "BlockStored", [0]), (2, "chat", "BlockStored", [1, 2, 3]),
+        (3, "chat", "BlockStored", [4]), (4, "chat", "BlockStored", list(range(5, 13))),
+        (5, "docs", "BlockRemoved", [0])]
+    assert events[1]["token_ids"] == SYS + Q1 and events[1]["parent_block_id"] is None
+    assert events[3]["parent_block_id"] == 3 and events[3]["token_ids"] == LONG
+    assert events[3]["parent_block_hash"] == events[1]["block_hashes"][2]
+    assert events[4]["block_hashes"] == events[0]["block_hashes"]
+    human = cli(server, "events", "--from", "1", "--namespace", "docs", "--count", "2").stdout
+    assert [line.split()[0] for line in human.splitlines()] == ["#1", "#5"]
+    assert "BlockRemoved blocks [0]" in human
 
 
 def test_human_views_render(server):
