@@ -193,6 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds")
     p.set_defaults(func=run_view)
 
+    # ---- replay: a trace against a real service, verified, beside the optimum (radixkv/replay.py)
+    from radixkv import replay
+
+    p = sub.add_parser("replay", help="replay a request trace against the service",
+                       description="Replay a trace (Mooncake, token JSONL or synthetic) against a "
+                       "running service from several client processes, verify every hit's bytes, "
+                       "and report hit rate, latency and prefill saved beside the offline optimum "
+                       "(Belady) and the infinite-capacity ceiling.")
+    replay.add_arguments(p)
+    p.set_defaults(func=replay.main)
+
     return parser
 
 

@@ -1,0 +1,374 @@
+"""`radixkv replay`: a request trace against a real running service, from several client
+processes, as engines would drive it; every hit verified; the offline optimum beside it.
+
+    main process                                  client processes (spawn) x N
+    trace -> feeder thread ---- job queue ---->   Match -> Allocate the rest -> write the new
+      (block keys)              (trace order)     blocks' bytes -> Insert -> Release
+    progress bar, Stats polls <- result queue --  per-request hits, latencies, mismatches
+    then: Belady and the ceiling over the same keys (radixkv.optimum) -> ReplayReport
+
+Clients (radixkv.replay_client) take requests in trace order from one queue, so the order
+holds as far as concurrency allows. Each full block's key is a 64-bit chained hash of
+namespace + token prefix; the writer puts it in the block's first 8 bytes through the pool
+mapping, and every hit reads its blocks back and checks them (verification, on by default:
+mismatches must be 0). The report is built by radixkv.replay_report.
+
+With one client the service sees exactly radixkv.simulate.replay_tree's per-request sequence
+(one namespace, same block size, capacity and policy), so the hit tokens are equal, request by
+request: Match pins the prefix (the tree's match + lock); Allocate evicts exactly what the
+free list lacks; when even eviction cannot make room (a prompt longer than the capacity), it
+fails with OutOfBlocks, and the client asks Stats for free + evictable blocks and allocates
+that many instead, as replay_tree takes only what it can have; Insert commits matched + new
+blocks; Release unpins. (A request that adds no block skips Insert; that changes no eviction
+order.) With N > 1 clients requests overlap: a prefix inserted by one client may not yet be
+visible to another, and pins of concurrent requests change what can be evicted, so the hit
+rate differs slightly from replay_tree's; equality is asserted for 1 client only.
+
+The service is started for the run (`python -m radixkv.cli serve` on a temporary socket, one
+KV layer / head / dim in fp16 so a block is 4 x block_size bytes) unless `target` names a
+running one; then the block size and capacity are the server's, and namespaces get a per-run
+prefix so earlier contents neither hit nor fail verification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from radixkv.errors import InvalidArgument, RadixKVError
+from radixkv.replay_client import ClientArgs, block_keys, client_main
+from radixkv.replay_report import (
+    ReplayReport,
+    RunConfig,
+    TraceLog,
+    build_report,
+    render_report,
+    write_plots,
+)
+from radixkv.workload import Request, generate_synthetic, iter_trace
+
+__all__ = ["ReplayReport", "block_keys", "render_report", "run_replay", "start_service"]
+
+# Assumption, not a measurement: prefill costs ~2 x parameters FLOP per token, 1.4e11 for a 70B
+# dense model. One H100 (989 TFLOPS dense bf16) peaks near 7,000 tokens/s at 100% utilization;
+# 10,000 tokens/s is such a model on two H100s in bf16 (or one in fp8) at ~70% utilization.
+# Pass your engine's measured prefill rate.
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+MOONCAKE_BLOCK_SIZE = 512
+
+
+@contextlib.contextmanager
+def start_service(
+    block_size: int, capacity_blocks: int, policy: str = "lru"
+) -> Iterator[str]:
+    """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
+    SIGTERM at exit."""
+    directory = tempfile.mkdtemp(prefix="rkv-replay-")  # short: socket paths <= 107 chars
+    sock = os.path.join(directory, "s.sock")
+    config = os.path.join(directory, "config.json")
+    with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
+        json.dump({"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+                   "head_dim": 2 if block_size == 1 else 1, "torch_dtype": "float16"}, f)
+    args = [sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
+            "--model-config", config, "--block-size", str(block_size),
+            "--num-blocks", str(capacity_blocks), "--policy", policy, "--log-level", "warning"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("radixkv serving on"):
+            break
+    else:
+        proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise RadixKVError("radixkv serve did not start:\n" + "".join(lines))
+    out = proc.stdout
+    threading.Thread(target=lambda: lines.extend(out), daemon=True).start()  # never block it
+    try:
+        yield sock
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+def _feed(requests: Iterable[Request], block_size: int, prefix: str, jobs: Any, clients: int,
+          trace: TraceLog, stop: threading.Event) -> None:
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                jobs.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    try:
+        first_ts: float | None = None
+        for index, req in enumerate(requests):
+            namespace = prefix + req.namespace
+            keys = block_keys(namespace, req.tokens, block_size)
+            ts = req.timestamp_ms
+            if ts is not None and first_ts is None:
+                first_ts = ts
+            due = None if ts is None or first_ts is None else ts - first_ts
+            trace.prompt_tokens.append(req.num_tokens)
+            trace.timestamps_ms.append(due)
+            trace.keys.append(keys.tolist())
+            if not put((index, namespace, req.tokens, due, keys.tobytes())):
+                return
+    except BaseException as e:  # a bad trace line: stop the clients, report it
+        trace.error = e
+    for _ in range(clients):
+        put(None)
+
+
+def _count_requests(source: Iterable[Request] | str | Path, limit: int | None) -> int | None:
+    if isinstance(source, list | tuple):
+        n = len(source)
+    elif isinstance(source, str | Path):
+        with open(source, "rb") as f:
+            n = sum(1 for line in f if line.strip())
+    else:
+        return limit
+    return n if limit is None else min(n, limit)
+
+
+def run_replay(
+    requests: Iterable[Request] | str | Path,
+    *,
+    target: str | None = None,
+    block_size: int = 16,
+    capacity_blocks: int = 16384,
+    clients: int = 4,
+    policy: str = "lru",
+    limit: int | None = None,
+    speed: float = 0.0,
+    verify: bool = True,
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+    num_windows: int = 40,
+    progress: bool = False,
+    trace_name: str = "",
+) -> ReplayReport:
+    """Replay `requests` (Requests, or a Mooncake / token JSONL path, streamed) against the
+    service at `target`, or against one started for the run with `block_size`,
+    `capacity_blocks` and `policy`; see the module docstring. `speed` > 0 follows the trace
+    timestamps divided by it; 0 sends as fast as the clients go."""
+    if clients < 1:
+        raise InvalidArgument(f"clients must be >= 1, got {clients}")
+    if speed < 0 or prefill_tokens_per_s <= 0:
+        raise InvalidArgument("speed must be >= 0 and prefill_tokens_per_s > 0")
+    name = trace_name or (str(requests) if isinstance(requests, str | Path) else "requests")
+    total = _count_requests(requests, limit)
+    source: Iterable[Request] = (
+        iter_trace(requests, limit) if isinstance(requests, str | Path) else
+        (requests if limit is None else (r for i, r in zip(range(limit), requests, strict=False)))
+    )
+    if target is not None:
+        return _run(source, target, None, name, clients, policy, speed, verify,
+                    prefill_tokens_per_s, num_windows, progress, total)
+    if block_size < 1 or capacity_blocks < 1:
+        raise InvalidArgument("block_size and capacity_blocks must be >= 1")
+    with start_service(block_size, capacity_blocks, policy) as sock:
+        return _run(source, sock, (block_size, capacity_blocks), name, clients, policy, speed,
+                    verify, prefill_tokens_per_s, num_windows, progress, total)
+
+
+def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None, name: str,
+         clients: int, policy: str, speed: float, verify: bool, rate: float, num_windows: int,
+         progress: bool, total: int | None) -> ReplayReport:
+    from radixkv.client import Client
+
+    notes: list[str] = []
+    with Client(target) as kv:
+        kv.wait_ready()
+        info = kv.pool_info()
+        block_size, capacity = info.layout.block_size, info.handle.num_blocks
+        if own is None:
+            prefix = f"replay-{uuid.uuid4().hex[:8]}/"
+            notes.append(f"running service at {target}: its block size ({block_size}) and "
+                         f"capacity ({capacity:,} blocks) used; namespaces prefixed {prefix!r}")
+            policy = f"{policy} (as configured on the server)"
+        else:
+            prefix = ""
+        if verify and info.layout.bytes_per_block < 8:
+            raise InvalidArgument(f"verification needs >= 8 bytes per block, the pool has "
+                                  f"{info.layout.bytes_per_block}; use --no-verify")
+        before = kv.stats()
+
+        ctx = mp.get_context("spawn")
+        jobs = ctx.Queue(maxsize=64)
+        results = ctx.Queue()
+        done = ctx.Value("q", 0)
+        start = ctx.Value("d", 0.0)
+        barrier = ctx.Barrier(clients + 1)
+        args = ClientArgs(target, block_size, capacity, verify, speed)
+        procs = [ctx.Process(target=client_main, args=(args, jobs, results, done, barrier,
+                                                        start), daemon=True)
+                 for _ in range(clients)]
+        for p in procs:
+            p.start()
+        trace = TraceLog()
+        stop = threading.Event()
+        feeder = threading.Thread(target=_feed, args=(source, block_size, prefix, jobs, clients,
+                                                      trace, stop), daemon=True)
+        feeder.start()
+        outs: list[dict[str, Any]] = []
+        peak = 0
+        try:
+            try:
+                barrier.wait(timeout=300)
+            except threading.BrokenBarrierError:
+                pass  # a client failed to start: its error is in the results
+            t0 = start.value = time.time()  # the clients wait for it: trace time 0
+            bar = _progress(progress, total)
+            next_poll = 0.0
+            while len(outs) < clients:
+                try:
+                    outs.append(results.get(timeout=0.1))
+                    if "error" in outs[-1]:
+                        raise RadixKVError("a replay client failed:\n" + outs[-1]["error"])
+                except queue.Empty:
+                    if all(not p.is_alive() for p in procs) and results.empty():
+                        raise RadixKVError("replay clients exited without a result") from None
+                if time.monotonic() >= next_poll:  # peak occupancy, sampled
+                    peak = max(peak, int(kv.stats()["cached_blocks"]))
+                    next_poll = time.monotonic() + 0.25
+                if bar is not None:
+                    bar[0].update(bar[1], completed=done.value)
+            if bar is not None:
+                bar[0].update(bar[1], completed=done.value)
+                bar[0].stop()
+            wall = max(o["finished"] for o in outs) - t0
+        finally:
+            stop.set()
+            jobs.cancel_join_thread()  # on an error, unsent jobs must not block our exit
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+        feeder.join()
+        if trace.error is not None:
+            raise trace.error
+        after = kv.stats(check_integrity=own is not None)
+    peak = max(peak, int(after["cached_blocks"]))
+    run = RunConfig(name, "" if own is not None else target, policy, block_size, capacity,
+                    clients, speed, verify, rate, num_windows, prefix)
+    return build_report(run, trace, outs, wall, before, after, peak, notes)
+
+
+def _progress(enabled: bool, total: int | None) -> tuple[Any, Any] | None:
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    bar.start()
+    return bar, bar.add_task("replay", total=total)
+
+
+# ---- command line --------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `radixkv replay` flags."""
+    p.add_argument("--trace", default="synthetic",
+                   help="a Mooncake or token JSONL file, or 'synthetic' (default)")
+    p.add_argument("--requests", type=int, default=2000, help="synthetic requests (2000)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic workload seed (0)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per block (default {MOONCAKE_BLOCK_SIZE} for Mooncake traces, "
+                   "whose hash ids are 512-token blocks; 16 otherwise)")
+    p.add_argument("--capacity-blocks", type=int, default=16384,
+                   help="cache capacity in blocks: the started service's --num-blocks (16384)")
+    p.add_argument("--policy", default="lru", help="eviction policy: lru (default) or lfu")
+    p.add_argument("--clients", type=int, default=4, help="client processes (4)")
+    p.add_argument("--target", default=None, metavar="SOCKET|TARGET",
+                   help="replay against this running service instead of starting one (its "
+                   "block size and capacity are used)")
+    p.add_argument("--speed", type=float, default=0.0,
+                   help="follow the trace timestamps divided by this (2: twice as fast); "
+                   "0 (default): as fast as possible")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not write and check block bytes (on by default)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
+                   help="prefill rate to turn saved tokens into TTFT (default 10,000: an "
+                   "assumed 70B-class rate, see radixkv/replay.py; give your engine's)")
+    p.add_argument("--windows", type=int, default=40, help="hit-rate-over-time windows (40)")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _is_mooncake(path: str) -> bool:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                return "hash_ids" in json.loads(line)
+    return False
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `radixkv replay` from parsed flags."""
+    if args.trace == "synthetic":
+        n = args.requests if args.limit is None else min(args.requests, args.limit)
+        requests: list[Request] | str = generate_synthetic(n, args.seed)
+        block_size = args.block_size or 16
+    else:
+        if not Path(args.trace).is_file():
+            raise InvalidArgument(f"trace file not found: {args.trace}")
+        requests = args.trace
+        block_size = args.block_size or (MOONCAKE_BLOCK_SIZE if _is_mooncake(args.trace) else 16)
+    target = args.target
+    if target is not None and target.startswith("/"):
+        target = f"unix://{target}"
+    report = run_replay(
+        requests, target=target, block_size=block_size, capacity_blocks=args.capacity_blocks,
+        clients=args.clients, policy=args.policy, limit=args.limit, speed=args.speed,
+        verify=not args.no_verify, prefill_tokens_per_s=args.prefill_tokens_per_s,
+        num_windows=args.windows, progress=True,
+        trace_name=args.trace)
+    paths = write_plots(report, args.plots) if args.plots else []
+    if args.json:
+        out = report.to_dict()
+        out["plots"] = [str(p) for p in paths]
+        print(json.dumps(out, indent=2))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        console.print(render_report(report))
+        for path in paths:
+            console.print(f"plot: {path}")
+    return 1 if report.mismatches else 0

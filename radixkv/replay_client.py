@@ -1,0 +1,193 @@
+"""One `radixkv replay` client process: drives the service as an engine would.
+
+Per request (a job from the shared queue, in trace order):
+
+    Match(ns, tokens)            -> lease pins the cached prefix; its blocks are read back
+                                    through the pool mapping and checked (verification)
+    Allocate(lease, rest)        -> new blocks; on OutOfBlocks, as many as are free or
+                                    evictable (Stats), as replay_tree takes what it can have
+    write keys into the blocks   -> first 8 bytes of each: block_keys() of its prefix
+    Insert(ns, tokens, ids)      -> skipped when no block is new (it would change no order)
+    Release(lease)
+
+Each full block's key is a 64-bit chained hash of namespace + token prefix (blake2b), so a hit
+block that holds anything but its own prefix's bytes is a mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from radixkv.errors import InvalidArgument, OutOfBlocks
+
+_PERSON = b"radixkv-replay"
+
+
+def block_keys(namespace: str, tokens: bytes, block_size: int) -> np.ndarray[Any, Any]:
+    """uint64 key of each full block: a chained blake2b of namespace + the token prefix up to
+    the block's end. Equal keys <=> equal namespace and prefix (up to 64-bit collisions)."""
+    bb = 4 * block_size
+    h = hashlib.blake2b(namespace.encode(), digest_size=8, person=_PERSON).digest()
+    view, digests = memoryview(tokens), []
+    for start in range(0, len(tokens) - bb + 1, bb):
+        d = hashlib.blake2b(h, digest_size=8, person=_PERSON)
+        d.update(view[start : start + bb])
+        h = d.digest()
+        digests.append(h)
+    return np.frombuffer(b"".join(digests), dtype="<u8")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientArgs:
+    target: str
+    block_size: int
+    capacity_blocks: int
+    verify: bool
+    speed: float
+
+
+class BlockBytes:
+    """The pool's blocks as bytes, through the client's pool mapping (numpy on host pools,
+    torch on cuda): first 8 bytes of each block read and written as uint64."""
+
+    def __init__(self, mapping: Any) -> None:
+        n, bpb = mapping.num_blocks, mapping.layout.bytes_per_block
+        if bpb < 8:
+            raise InvalidArgument(f"verification needs >= 8 bytes per block, the pool has {bpb}")
+        self.torch = mapping.backend != "host"
+        if self.torch:
+            import torch
+
+            t = mapping.view()
+            self.bytes: Any = t.reshape(n, -1).view(torch.uint8) if t.dim() > 2 else t
+        else:
+            self.bytes = mapping.numpy_view().reshape(n, -1).view(np.uint8)
+
+    def write(self, ids: tuple[int, ...], keys: np.ndarray[Any, Any]) -> None:
+        rows = keys.astype("<u8").view(np.uint8).reshape(-1, 8)
+        if self.torch:
+            import torch
+
+            idx = torch.tensor(ids, device=self.bytes.device)
+            self.bytes[idx, :8] = torch.from_numpy(rows.copy()).to(self.bytes.device)
+            torch.cuda.synchronize(self.bytes.device)  # written before Insert says so
+        else:
+            self.bytes[list(ids), :8] = rows
+
+    def read(self, ids: tuple[int, ...]) -> np.ndarray[Any, Any]:
+        if self.torch:
+            import torch
+
+            rows = self.bytes[torch.tensor(ids, device=self.bytes.device), :8].cpu().numpy()
+        else:
+            rows = self.bytes[list(ids), :8]
+        return np.ascontiguousarray(rows).view("<u8").ravel()
+
+
+def _allocate(kv: Any, lease_id: int, want: int) -> tuple[int, ...]:
+    """Up to `want` blocks for the lease: all of them, or on OutOfBlocks as many as are free or
+    evictable now (Stats), retried a few times when other clients race us; () if none."""
+    for _ in range(8):
+        if want <= 0:
+            return ()
+        try:
+            return tuple(kv.allocate(want, lease_id=lease_id).block_ids)
+        except OutOfBlocks:
+            st = kv.stats()
+            have = st["free_blocks"] + st["cached_blocks"] - st["pinned_blocks"]
+            if have >= want:  # someone else held them a moment ago: try again
+                time.sleep(0.001)
+            want = min(want, have)
+    return ()
+
+
+def client_main(args: ClientArgs, jobs: Any, results: Any, done: Any, barrier: Any,
+                 start: Any) -> None:
+    """One client process: take jobs until None; put one dict of per-request arrays."""
+    try:
+        from radixkv.client import Client
+
+        kv = Client(args.target)
+        kv.wait_ready()
+        pool = BlockBytes(kv.pool()) if args.verify else None
+    except BaseException:
+        barrier.abort()
+        results.put({"error": traceback.format_exc()})
+        return
+    try:
+        barrier.wait()
+        while not start.value:  # set by the main process once every client is ready
+            time.sleep(0.001)
+        results.put(_client_loop(args, kv, pool, jobs, done, start.value))
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+    finally:
+        kv.close()
+
+
+def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, done: Any,
+                 t0: float) -> dict[str, Any]:
+    bb = 4 * args.block_size
+    clock = time.perf_counter_ns
+    cols: dict[str, list[int]] = {k: [] for k in (
+        "index", "hit_tokens", "match_ns", "allocate_ns", "insert_ns", "release_ns",
+        "dropped")}
+    verified = mismatches = 0
+    examples: list[str] = []
+    while (job := jobs.get()) is not None:
+        index, namespace, tokens, due_ms, key_bytes = job
+        if args.speed and due_ms is not None:
+            delay = t0 + due_ms / 1e3 / args.speed - time.time()
+            if delay > 0:
+                time.sleep(delay)
+        keys = np.frombuffer(key_bytes, dtype="<u8")
+        alloc_ns = insert_ns = -1
+        new: tuple[int, ...] = ()
+        hit = need = 0
+        match_ns = release_ns = -1
+        if tokens:
+            t = clock()
+            m = kv.match(namespace, tokens)
+            match_ns = clock() - t
+            hit = m.num_tokens
+            matched = len(m.block_ids)
+            if pool is not None and matched:
+                got = pool.read(m.block_ids)
+                bad = np.flatnonzero(got != keys[:matched])
+                verified += matched
+                mismatches += int(bad.size)
+                for i in bad[: max(0, 5 - len(examples))]:
+                    examples.append(f"request {index} block {i} (pool id {m.block_ids[i]}): "
+                                    f"expected {int(keys[i]):#018x}, read {int(got[i]):#018x}")
+            need = len(tokens) // bb - matched
+            if need > 0:
+                t = clock()
+                new = _allocate(kv, m.lease_id, min(need, args.capacity_blocks))
+                alloc_ns = clock() - t
+            if new:
+                if pool is not None:
+                    pool.write(new, keys[matched : matched + len(new)])
+                t = clock()
+                kv.insert(namespace, tokens[: (matched + len(new)) * bb], m.block_ids + new,
+                          m.lease_id)
+                insert_ns = clock() - t
+            t = clock()
+            kv.release(m.lease_id)
+            release_ns = clock() - t
+        for key, value in (("index", index), ("hit_tokens", hit), ("match_ns", match_ns),
+                           ("allocate_ns", alloc_ns), ("insert_ns", insert_ns),
+                           ("release_ns", release_ns), ("dropped", need - len(new))):
+            cols[key].append(value)
+        with done.get_lock():
+            done.value += 1
+    out: dict[str, Any] = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
+    out.update(verified=verified, mismatches=mismatches, examples=examples,
+               finished=time.time())
+    return out
+
