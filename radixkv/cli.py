@@ -85,6 +85,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(requests=args.requests, json_out=args.json)
 
 
+def cmd_clear(args: argparse.Namespace) -> int:
+    from radixkv.client import Client
+
+    with Client(args.target or args.socket) as kv:
+        freed = kv.clear(args.namespace)
+    if args.json:
+        print(json.dumps({"namespace": args.namespace, "num_freed": freed}))
+    else:
+        print(f"cleared {args.namespace!r}: {freed} blocks freed")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixkv",
@@ -192,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=0, help="exit after this many events")
     p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds")
     p.set_defaults(func=run_view)
+    p = sub.add_parser("clear", parents=[conn(False)], help="drop one namespace's cache",
+                       description="Free every cached block of a namespace and forget it "
+                       "(emits AllBlocksCleared). Refused while a lease holds blocks in it.")
+    p.add_argument("namespace")
+    p.set_defaults(func=cmd_clear)
 
     # ---- replay: a trace against a real service, verified, beside the optimum (radixkv/replay.py)
     from radixkv import replay

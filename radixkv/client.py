@@ -151,7 +151,11 @@ class Client:
         try:
             return getattr(self._stub, name)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
-            raise to_error(e) from None
+            err = to_error(e)
+            if isinstance(err, errors.Unavailable) and "failed to connect" in str(err):
+                raise errors.Unavailable(f"no radixkv service at {self.target} (is `radixkv "
+                                         f"serve` running?): {err}") from None
+            raise err from None
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         """Block until the channel connects (raises Unavailable on timeout)."""
@@ -249,6 +253,11 @@ class Client:
         checks its invariants and reports "ok" or the failure under "integrity"."""
         resp = self._call("Stats", pb.StatsRequest(check_integrity=check_integrity))
         return message_dict(resp)
+
+    def clear(self, namespace: str) -> int:
+        """Drop a namespace's whole cache; returns the blocks freed. FailedPrecondition while
+        any lease holds blocks in it."""
+        return int(self._call("Clear", pb.ClearRequest(namespace=namespace)).num_freed)
 
     def dump_tree(self, namespace: str, max_depth: int = 0) -> tuple[list[NodeView], int]:
         resp = self._call("DumpTree", pb.DumpTreeRequest(namespace=namespace,

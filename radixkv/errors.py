@@ -32,6 +32,13 @@ class LeaseExpired(RadixKVError):
     code = "FAILED_PRECONDITION"
 
 
+class FailedPrecondition(RadixKVError):
+    """The call is well-formed but the state does not allow it (e.g. clearing a namespace
+    whose blocks are pinned)."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class PermissionDenied(RadixKVError):
     """A lease or block that belongs to another owner or namespace."""
 
@@ -66,6 +73,7 @@ ALL_ERRORS: tuple[type[RadixKVError], ...] = (
     InvalidArgument,
     NotFound,
     LeaseExpired,
+    FailedPrecondition,
     PermissionDenied,
     AlreadyExists,
     OutOfBlocks,

@@ -63,6 +63,15 @@ class EventLog:
                 self._append(namespace, ev)
             self._cond.notify_all()
 
+    def publish_cleared(self, namespace: str) -> None:
+        """AllBlocksCleared for one namespace: its block hashes are forgotten."""
+        with self._cond:
+            self._last += 1
+            self._buffer.append(KVEvent(self._last, namespace, time.time(), "cleared"))
+            for key in [k for k in self._hash_of if k[0] == namespace]:
+                del self._hash_of[key]
+            self._cond.notify_all()
+
     def _append(self, namespace: str, ev: BlockStored | BlockRemoved) -> None:
         self._last += 1
         now = time.time()

@@ -36,6 +36,7 @@ import numpy as np
 from gpu_pool.base import BlockPool, PoolHandle
 from radixkv.errors import (
     AlreadyExists,
+    FailedPrecondition,
     InvalidArgument,
     LeaseExpired,
     NotFound,
@@ -43,7 +44,7 @@ from radixkv.errors import (
     PermissionDenied,
 )
 from radixkv.events import EventLog
-from radixkv.tree import NodeView, RadixTree
+from radixkv.tree import BlockRemoved, NodeView, RadixTree
 
 MAX_NAMESPACE_LEN = 256
 EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to tell "expired" from "unknown"
@@ -267,6 +268,25 @@ class KVService:
             leases = [self._get_lease(owner, lid) for lid in dict.fromkeys(lease_ids)]
             return sum(self._end_lease(lease) for lease in leases)
 
+    def clear(self, namespace: str) -> int:
+        """Drop every cached block of `namespace` and the namespace itself; publishes
+        AllBlocksCleared. FailedPrecondition while a lease pins or holds anything in it."""
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            if ns is None:
+                raise NotFound(f"namespace {namespace!r} does not exist")
+            holders = sum(1 for lease in self._leases.values() if lease.namespace == namespace)
+            if holders:
+                raise FailedPrecondition(
+                    f"namespace {namespace!r} has {holders} live lease(s) "
+                    f"({ns.tree.num_locked_blocks} blocks pinned); release them first")
+            freed = ns.tree.evict(ns.tree.num_cached_blocks)
+            ns.tree.take_events()
+            self.pool.free(freed)
+            del self._namespaces[namespace]
+            self.events.publish_cleared(namespace)
+            return len(freed)
+
     def expire_leases(self) -> int:
         """End every lease past its TTL. Returns how many ended."""
         with self._lock:
@@ -437,12 +457,10 @@ class KVService:
                 f"{sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())} pinned "
                 f"(pool {self.pool.num_blocks})")
         evicted = 0
-        touched: set[str] = set()
         while evicted < need:
             keyed = sorted((key, name) for name, ns in self._namespaces.items()
                            if (key := ns.tree.next_victim_key()) is not None)
             ns = self._namespaces[keyed[0][1]]
-            touched.add(ns.name)
             if len(keyed) == 1:
                 freed = ns.tree.evict(need - evicted)
             else:  # take the oldest tree's blocks while they stay older than the runner-up's
@@ -455,6 +473,6 @@ class KVService:
             self.pool.free(freed)
             ns.evicted_blocks += len(freed)
             evicted += len(freed)
-        for name in touched:
-            self.events.publish(name, self._namespaces[name].tree.take_events())
+            ns.tree.take_events()  # one BlockRemoved per chunk, in eviction order:
+            self.events.publish(ns.name, [BlockRemoved(tuple(freed))])
         return evicted

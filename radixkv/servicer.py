@@ -194,6 +194,10 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
                 evicted_blocks=n.evicted_blocks) for n in s.namespaces])
 
     @rpc
+    def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
+        return pb.ClearResponse(num_freed=self.service.clear(request.namespace))
+
+    @rpc
     def DumpTree(self, request: pb.DumpTreeRequest, context: Any) -> pb.DumpTreeResponse:
         nodes, last = self.service.dump_tree(request.namespace, request.max_depth)
         return pb.DumpTreeResponse(namespace=request.namespace, last_sequence=last, nodes=[

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -273,3 +274,18 @@ def test_second_server_on_same_socket_is_refused(server):
     assert out.returncode == 2
     assert "another radixkv server holds" in out.stderr
     assert server.alive()
+
+
+def test_clear_command_frees_a_namespace(server, kv):
+    tokens = [11, 12, 13, 14]
+    with kv.lease("clear-me", tokens) as lease:
+        lease.insert(tokens, lease.allocate(1))
+        busy = subprocess.run([sys.executable, "-m", "radixkv.cli", "clear", "clear-me",
+                               "--socket", server.socket], capture_output=True, text=True)
+        assert busy.returncode == 2 and "live lease" in busy.stderr
+    out = subprocess.run([sys.executable, "-m", "radixkv.cli", "clear", "clear-me", "--socket",
+                          server.socket, "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"namespace": "clear-me", "num_freed": 1}
+    with pytest.raises(errors.NotFound):
+        kv.dump_tree("clear-me")

@@ -158,3 +158,31 @@ def test_eviction_is_lru_across_namespaces_not_per_namespace(svc):
     assert hits == [0, 8, 12]
     for lease in list(svc._leases):
         svc.release("e", [lease])
+
+
+def test_clear_namespace(svc):
+    fill(svc, "a", toks(*range(8)))
+    fill(svc, "b", toks(*range(8)))
+    m = svc.match("e", "a", toks(*range(8)))
+    with pytest.raises(errors.FailedPrecondition, match="1 live lease"):
+        svc.clear("a")
+    svc.release("e", [m.lease_id])
+    assert svc.clear("a") == 2
+    assert svc.namespaces() == ["b"]
+    with pytest.raises(errors.NotFound):
+        svc.clear("a")
+    events, _ = svc.events.read(0)
+    assert [e.kind for e in events] == ["stored", "stored", "cleared"]
+    assert events[-1].namespace == "a"
+    assert svc.stats().free_blocks == 6
+
+
+def test_eviction_across_namespaces_publishes_one_event_per_run(svc):
+    fill(svc, "a", toks(*range(12)))  # blocks 0 1 2
+    fill(svc, "b", toks(*range(8)))  # blocks 3 4
+    fill(svc, "a", toks(*range(100, 112)))  # 5 6 7
+    r = svc.allocate("e", None, "b", 4)  # a1's 3 blocks, then b1's tail block
+    events, _ = svc.events.read(3)
+    assert [(e.namespace, e.kind, e.block_ids) for e in events] == [
+        ("a", "removed", (2, 1, 0)), ("b", "removed", (4,))]
+    svc.release("e", [r.lease_id])

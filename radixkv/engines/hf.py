@@ -195,7 +195,7 @@ class Engine:
         # [layers, tokens, kv_heads, head_dim]
         k = torch.stack([key[0, :, start:end].transpose(0, 1) for key, _ in layers])
         v = torch.stack([value[0, :, start:end].transpose(0, 1) for _, value in layers])
-        scatter(view, new, k.to(view.device), v.to(view.device))
+        scatter(view, new, k.to(view.device, view.dtype), v.to(view.device, view.dtype))
         if view.is_cuda:  # the copy is queued: complete it before Insert publishes the blocks
             torch.cuda.current_stream(view.device).synchronize()
         lease.insert(tokens[:end], lease.block_ids + new)

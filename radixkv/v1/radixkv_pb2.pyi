@@ -264,6 +264,18 @@ class DumpTreeResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[TreeNode]
     def __init__(self, namespace: _Optional[str] = ..., last_sequence: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ...) -> None: ...
 
+class ClearRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("num_freed",)
+    NUM_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_freed: int
+    def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
+
 class EventsRequest(_message.Message):
     __slots__ = ("from_sequence", "namespace")
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]

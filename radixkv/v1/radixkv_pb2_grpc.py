@@ -74,6 +74,11 @@ class RadixKVStub:
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.EventsRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.Event.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/radixkv.v1.RadixKV/Clear',
+                request_serializer=radixkv_dot_v1_dot_radixkv__pb2.ClearRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.ClearResponse.FromString,
+                _registered_method=True)
 
 
 class RadixKVServicer:
@@ -135,6 +140,13 @@ class RadixKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clear(self, request, context):
+        """Drop a namespace's whole cache (refused while any of its blocks is pinned).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RadixKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +189,11 @@ def add_RadixKVServicer_to_server(servicer, server):
                     servicer.Events,
                     request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.EventsRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_radixkv__pb2.Event.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.ClearRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.ClearResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +412,33 @@ class RadixKV:
             '/radixkv.v1.RadixKV/Events',
             radixkv_dot_v1_dot_radixkv__pb2.EventsRequest.SerializeToString,
             radixkv_dot_v1_dot_radixkv__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.RadixKV/Clear',
+            radixkv_dot_v1_dot_radixkv__pb2.ClearRequest.SerializeToString,
+            radixkv_dot_v1_dot_radixkv__pb2.ClearResponse.FromString,
             options,
             channel_credentials,
             insecure,
