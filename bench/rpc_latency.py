@@ -55,6 +55,48 @@ def serve_echo(unix: str, tcp_port: int, reply_bytes: int) -> None:
     server.stop(0)
 
 
+def serve_aio_kv(unix: str, config_path: str, block_size: int, num_blocks: int) -> None:
+    """The same KVService and servicer methods under grpc.aio (async wrappers that call the
+    sync methods inline; they take microseconds), to compare the two server styles."""
+    import asyncio
+
+    import grpc
+
+    from gpu_pool import create_pool
+    from radixkv.layout import KVLayout
+    from radixkv.service import KVService, ServiceConfig
+    from radixkv.servicer import Servicer
+    from radixkv.v1 import radixkv_pb2_grpc
+
+    layout = KVLayout.from_hf_config(config_path, block_size=block_size)
+    pool = create_pool(layout, num_blocks=num_blocks)
+    sync = Servicer(KVService(pool, ServiceConfig(lease_ttl_s=600)), 1 << 20)
+
+    def wrap(name: str):  # type: ignore[no-untyped-def]
+        method = getattr(sync, name)
+
+        async def call(_self, request, context):  # type: ignore[no-untyped-def]
+            return method(request, context)
+        return call
+
+    names = ("PoolInfo", "Match", "Allocate", "Insert", "Release", "Stats")
+    servicer = type("AioServicer", (radixkv_pb2_grpc.RadixKVServicer,),
+                    {n: wrap(n) for n in names})()
+
+    async def run() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        radixkv_pb2_grpc.add_RadixKVServicer_to_server(servicer, server)
+        server.add_insecure_port(f"unix://{unix}")
+        await server.start()
+        print("radixkv aio ready", flush=True)
+        await server.wait_for_termination()
+
+    try:
+        asyncio.run(run())
+    finally:
+        pool.close()
+
+
 def start(args: list[str], ready: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdout is not None
@@ -130,6 +172,20 @@ def run_clients(fn, n: int, args: tuple, seconds: float) -> dict[str, float]:  #
             "calls_per_s": len(lat) / seconds, "requests_per_s": requests / seconds}
 
 
+def populate(target: str, prompts: list[bytes], block_size: int):  # type: ignore[no-untyped-def]
+    """Cache every prompt so each Match is a full hit; returns one Match result."""
+    from radixkv.client import Client
+
+    with Client(target) as kv:
+        for t in prompts:
+            a = kv.allocate(len(t) // 4 // block_size, namespace="bench")
+            kv.insert("bench", t, a.block_ids, a.lease_id)
+            kv.release(a.lease_id)
+        m = kv.match("bench", prompts[0])
+        kv.release(m.lease_id)
+    return m
+
+
 def allocate_insert(target: str, num_tokens: int, block_size: int, iters: int) -> dict[str, float]:
     from radixkv.client import Client
 
@@ -166,9 +222,13 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--echo-server", nargs=3, metavar=("UNIX", "PORT", "REPLY_BYTES"),
                    help=argparse.SUPPRESS)
+    p.add_argument("--aio-server", nargs=2, metavar=("UNIX", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.echo_server:
         serve_echo(args.echo_server[0], int(args.echo_server[1]), int(args.echo_server[2]))
+        return 0
+    if args.aio_server:
+        serve_aio_kv(args.aio_server[0], args.aio_server[1], args.block_size, 65536)
         return 0
 
     tmp = tempfile.mkdtemp(prefix="rkvb-")
@@ -184,23 +244,26 @@ def main() -> int:
                             "--tcp", f"127.0.0.1:{kv_port}", "--model-config", cfg,
                             "--block-size", str(args.block_size), "--num-blocks", "65536",
                             "--lease-ttl", "600", "--log-level", "warning"], "radixkv serving"))
-        from radixkv.client import Client
         from radixkv.v1 import radixkv_pb2 as pb
 
         prompts = [prompt(args.seed * 1000 + i, args.prompt_tokens) for i in range(64)]
-        with Client(sock) as kv:  # cache every prompt so each Match is a full hit
-            for t in prompts:
-                a = kv.allocate(args.prompt_tokens // args.block_size, namespace="bench")
-                kv.insert("bench", t, a.block_ids, a.lease_id)
-                kv.release(a.lease_id)
-            m = kv.match("bench", prompts[0])
-            kv.release(m.lease_id)
+        m = populate(sock, prompts, args.block_size)
         payload = pb.MatchRequest(client_id="x" * 40, queries=[
             pb.MatchQuery(namespace="bench", tokens=prompts[0])]).SerializeToString()
         reply = pb.MatchResponse(results=[pb.MatchResult(
             lease_id=2**62, num_tokens=m.num_tokens, block_ids=m.block_ids)]).ByteSize()
         procs.append(start([sys.executable, __file__, "--echo-server", echo_sock,
                             str(echo_port), str(reply)], "echo ready"))
+
+        aio_sock = os.path.join(tmp, "aio.sock")
+        procs.append(start([sys.executable, __file__, "--aio-server", aio_sock, cfg,
+                            "--block-size", str(args.block_size)], "radixkv aio ready"))
+        populate(aio_sock, prompts, args.block_size)
+        aio = {"match_1": run_clients(run_match, 1, (f"unix://{aio_sock}", prompts, 1),
+                                      args.seconds),
+               "match_n": run_clients(run_match, args.clients,
+                                      (f"unix://{aio_sock}", prompts, 1), args.seconds)}
+        results["aio_unix"] = aio
 
         for transport in args.transports.split(","):
             kv_t = f"unix://{sock}" if transport == "unix" else f"127.0.0.1:{kv_port}"
@@ -239,6 +302,14 @@ def main() -> int:
                       f"{ratios['batched_over_unbatched_requests_per_s']:.1f}x")
                 print(f"[{transport}] Allocate+Insert p50 {r['allocate_insert']['p50_us']:.0f} us"
                       f" p99 {r['allocate_insert']['p99_us']:.0f} us")
+        if not args.json:
+            sync_u = results["unix"] if "unix" in results else None
+            line = (f"[aio vs sync, unix] Match p50 {aio['match_1']['p50_us']:.0f} us, "
+                    f"{args.clients} clients {aio['match_n']['calls_per_s']:.0f} calls/s")
+            if sync_u:
+                line += (f" | sync: {sync_u['match_1']['p50_us']:.0f} us, "  # type: ignore
+                         f"{sync_u['match_n']['calls_per_s']:.0f} calls/s")  # type: ignore
+            print(line)
         if args.json:
             print(json.dumps(results, indent=2))
     finally:

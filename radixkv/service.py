@@ -154,6 +154,8 @@ class KVService:
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
         self._num_expired = 0
         self._ticks = itertools.count(1)  # one LRU clock for every namespace's tree
+        # Lease ids: a random start per service life, so ids from an earlier start are unknown.
+        self._lease_ids = itertools.count(secrets.randbits(62) + 1)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -403,7 +405,7 @@ class KVService:
         return ns
 
     def _open_lease(self, owner: str, namespace: str) -> _Lease:
-        lease_id = secrets.randbits(63) or 1
+        lease_id = next(self._lease_ids)
         lease = _Lease(lease_id, owner, namespace, self._clock() + self.config.lease_ttl_s)
         self._leases[lease_id] = lease
         return lease
