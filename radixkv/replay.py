@@ -39,6 +39,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,15 @@ DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 MOONCAKE_BLOCK_SIZE = 512
 
 
+def _die_with_parent() -> None:
+    """In the server's child process: SIGTERM it when we die (Linux), so a replay killed
+    before its cleanup leaves no server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @contextlib.contextmanager
 def start_service(
     block_size: int, capacity_blocks: int, policy: str = "lru"
@@ -86,7 +96,8 @@ def start_service(
     args = [sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
             "--model-config", config, "--block-size", str(block_size),
             "--num-blocks", str(capacity_blocks), "--policy", policy, "--log-level", "warning"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent)
     assert proc.stdout is not None
     lines: list[str] = []
     for line in proc.stdout:
