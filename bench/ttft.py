@@ -20,9 +20,10 @@ Why the ratio is not simply the uncached fraction: the linear layers scale with 
 tokens, attention does not. PyTorch's CPU sdpa has no bottom-right causal kernel, so a suffix of
 q tokens over n cached + new keys runs with an explicit mask and costs q x n, while the full
 causal prefill costs about n^2 / 2: at 50 % shared the suffix's attention costs as much as the
-full prefill's. With attention ~15 % of this model's prefill at 2,000 tokens, the floor at 50 %
-is ~0.5 x 0.85 + 0.15 = 0.575 (at 25 %: ~0.86). `--attn eager` computes the full n^2 in both
-paths (ratio ~ uncached fraction, 2-3x slower in absolute terms).
+full prefill's. The "bench" model has Llama-3-8B's MLP width, so attention is ~6 % of its
+prefill at 2,000 tokens (as in the real model) and the floor at 50 % is ~0.5 x 0.94 + 0.06 =
+0.53; GEMMs of 1,000 rows also run a little less efficiently on CPU than of 2,000. `--attn eager`
+computes the full n^2 in both paths (ratio ~ uncached fraction, 2-3x slower in absolute terms).
 """
 
 from __future__ import annotations
