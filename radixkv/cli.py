@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from radixkv.demo import run_demo
 
-    return run_demo(requests=args.requests, json_out=args.json)
+    return run_demo(requests=args.requests, json_out=args.json, engines=not args.no_engines)
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "Unix socket) answering engines, and what the cache did.")
     p.add_argument("--requests", type=int, default=2000, help="synthetic requests (2000)")
     p.add_argument("--json", action="store_true", help="print results as JSON on stdout")
+    p.add_argument("--no-engines", action="store_true",
+                   help="skip the two-engine stage (needs the `hf` extra: transformers)")
     p.set_defaults(func=cmd_demo)
 
     # ---- inspect / stats / events: read-only views through the client (radixkv/inspector.py)
