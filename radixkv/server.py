@@ -8,6 +8,7 @@ drain in-flight calls, then unlink the socket and the pool's shared memory.
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -74,6 +75,12 @@ class RadixKVServer:
         return server
 
     def start(self) -> None:
+        # Live leases and tree nodes are many long-lived small objects: a young-generation
+        # collection every 700 allocations would rescan them over and over (measured: batched
+        # Match 20-40 % slower with tens of thousands of live leases). Freeze what start-up
+        # made and collect less often.
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 20)
         cfg = self.config
         path = cfg.socket_path
         if path:
