@@ -232,8 +232,40 @@ def scatter(
         # numpy's fancy assignment moves each row with one memmove; torch's CPU index_copy_
         # copies element by element (measured well below a memcpy for rows of 4-64 KiB).
         pool_np = pool_units.detach().numpy()
-        pool_np[k_rows.numpy()] = _units(k, word, row).detach().numpy()
-        pool_np[(k_rows + parts).numpy()] = _units(v, word, row).detach().numpy()
+        moves = [(k_rows.numpy(), _units(k, word, row).detach().numpy()),
+                 ((k_rows + parts).numpy(), _units(v, word, row).detach().numpy())]
+        _assign_rows(pool_np, moves, 2 * k.numel() * k.element_size())
     else:
         pool_units.index_copy_(0, k_rows, _units(k, word, row))
         pool_units.index_copy_(0, k_rows + parts, _units(v, word, row))
+
+
+_THREADS: Any = None  # a shared pool for CPU scatter, made on first use
+
+
+def _assign_rows(pool: Any, moves: list[tuple[Any, Any]], nbytes: int) -> None:
+    """pool[rows] = src for each move; numpy releases the GIL while it copies, so large
+    scatters are split across torch's intra-op thread count (a memcpy floor uses them too)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads < 2 or nbytes < (4 << 20):
+        for rows, src in moves:
+            pool[rows] = src
+        return
+    global _THREADS
+    if _THREADS is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _THREADS = ThreadPoolExecutor(threads, thread_name_prefix="gpu_pool-scatter")
+    jobs = []
+    for rows, src in moves:
+        step = -(-len(rows) // threads)
+        for lo in range(0, len(rows), step):
+            jobs.append((rows[lo:lo + step], src[lo:lo + step]))
+
+    def run(job: tuple[Any, Any]) -> None:
+        pool[job[0]] = job[1]
+
+    list(_THREADS.map(run, jobs))
+
