@@ -157,6 +157,19 @@ def _check_tensor(name: str, t: Any, view: torch.Tensor, shape: tuple[int, ...])
         raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected {shape}")
 
 
+def _plan(view: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          layer: int | None) -> tuple[torch.Tensor, ...]:
+    """The pool, k and v as unit rows of one word type, and the pool rows of K and of V."""
+    _, layers, block_size, heads, head_dim = _geometry(view)
+    chunk_bytes = block_size * heads * head_dim * view.element_size()
+    word, size = _word(chunk_bytes, view, k, v)
+    parts = _split(chunk_bytes // size)
+    row = chunk_bytes // size // parts
+    k_rows = _rows(ids, layers, layer, parts)
+    return (_units(view, word, row), _units(k, word, row), _units(v, word, row), k_rows,
+            k_rows + parts)
+
+
 def gather(
     view: torch.Tensor,
     block_ids: Sequence[int] | torch.Tensor,
@@ -188,14 +201,9 @@ def gather(
                 raise InvalidArgument(f"{name} must be contiguous")
     if tokens == 0:
         return k, v
-    chunk_bytes = block_size * heads * head_dim * view.element_size()
-    word, size = _word(chunk_bytes, view, k, v)
-    parts = _split(chunk_bytes // size)
-    row = chunk_bytes // size // parts
-    pool_units = _units(view, word, row)
-    k_rows = _rows(ids, layers, layer, parts)
-    torch.index_select(pool_units, 0, k_rows, out=_units(k, word, row))
-    torch.index_select(pool_units, 0, k_rows + parts, out=_units(v, word, row))
+    pool_units, k_units, v_units, k_rows, v_rows = _plan(view, ids, k, v, layer)
+    torch.index_select(pool_units, 0, k_rows, out=k_units)
+    torch.index_select(pool_units, 0, v_rows, out=v_units)
     return k, v
 
 
@@ -222,22 +230,17 @@ def scatter(
     if tokens == 0:
         return
     k, v = k.contiguous(), v.contiguous()
-    chunk_bytes = block_size * heads * head_dim * view.element_size()
-    word, size = _word(chunk_bytes, view, k, v)
-    parts = _split(chunk_bytes // size)
-    row = chunk_bytes // size // parts
-    pool_units = _units(view, word, row)
-    k_rows = _rows(ids, layers, layer, parts)
+    pool_units, k_units, v_units, k_rows, v_rows = _plan(view, ids, k, v, layer)
     if view.device.type == "cpu":
         # numpy's fancy assignment moves each row with one memmove; torch's CPU index_copy_
         # copies element by element (measured well below a memcpy for rows of 4-64 KiB).
         pool_np = pool_units.detach().numpy()
-        moves = [(k_rows.numpy(), _units(k, word, row).detach().numpy()),
-                 ((k_rows + parts).numpy(), _units(v, word, row).detach().numpy())]
+        moves = [(k_rows.numpy(), k_units.detach().numpy()),
+                 (v_rows.numpy(), v_units.detach().numpy())]
         _assign_rows(pool_np, moves, 2 * k.numel() * k.element_size())
     else:
-        pool_units.index_copy_(0, k_rows, _units(k, word, row))
-        pool_units.index_copy_(0, k_rows + parts, _units(v, word, row))
+        pool_units.index_copy_(0, k_rows, k_units)
+        pool_units.index_copy_(0, v_rows, v_units)
 
 
 _THREADS: Any = None  # a shared pool for CPU scatter, made on first use

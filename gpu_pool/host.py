@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpu_pool.base import BlockPool, PoolHandle, PoolMapping, pid_alive
+from gpu_pool.base import BlockPool, PoolHandle, PoolMapping, _Slab, pid_alive
 from radixkv.errors import (
     InvalidArgument,
     OutOfBlocks,
@@ -207,7 +207,22 @@ class _Mapping:
         return True
 
 
-class HostBlockPool(BlockPool):
+class _MappedBytes(_Slab):
+    """The byte views of a host slab, for the owner and for attaching processes alike."""
+
+    _map: _Mapping
+
+    def _torch_bytes(self) -> torch.Tensor:
+        self._check_open()
+        return self._map.torch_bytes()
+
+    def _numpy_bytes(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        self._check_open()
+        assert self._map.array is not None
+        return self._map.array
+
+
+class HostBlockPool(_MappedBytes, BlockPool):
     """A pool in /dev/shm/<prefix>-<pid>-<epoch>, owned by this process.
 
     `reserve` (default True) commits the memory at creation so that a too-small /dev/shm fails
@@ -276,15 +291,6 @@ class HostBlockPool(BlockPool):
             "or ask for fewer blocks"
         )
 
-    def _torch_bytes(self) -> torch.Tensor:
-        self._check_open()
-        return self._map.torch_bytes()
-
-    def _numpy_bytes(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        self._check_open()
-        assert self._map.array is not None
-        return self._map.array
-
     def export(self) -> PoolHandle:
         self._check_open()
         return PoolHandle(
@@ -315,7 +321,7 @@ def _finalize_owner(path: str, owner_pid: int, fd: int) -> None:
         os.close(fd)
 
 
-class HostPoolMapping(PoolMapping):
+class HostPoolMapping(_MappedBytes, PoolMapping):
     """An attaching process's mapping of a host pool. Never unlinks anything."""
 
     def __init__(self, handle: PoolHandle, shm_dir: str = SHM_DIR) -> None:
@@ -346,15 +352,6 @@ class HostPoolMapping(PoolMapping):
             self._map = _Mapping(fd, handle.nbytes)
         finally:
             os.close(fd)  # the mapping stays valid without the descriptor
-
-    def _torch_bytes(self) -> torch.Tensor:
-        self._check_open()
-        return self._map.torch_bytes()
-
-    def _numpy_bytes(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        self._check_open()
-        assert self._map.array is not None
-        return self._map.array
 
     def close(self) -> None:
         if self._closed:

@@ -33,9 +33,10 @@ from radixkv import errors
 from radixkv.config import default_socket_path
 from radixkv.errors import RadixKVError
 from radixkv.layout import KVLayout
+from radixkv.service import Allocation, LeaseMatch
 from radixkv.servicer import ERROR_KEY
 from radixkv.tokens import to_token_bytes
-from radixkv.tree import NodeView
+from radixkv.tree import InsertResult, NodeView
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 
@@ -93,27 +94,6 @@ class PoolInfo:
     @property
     def epoch(self) -> str:
         return self.handle.epoch
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    lease_id: int
-    num_tokens: int
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllocateResult:
-    lease_id: int
-    block_ids: tuple[int, ...]
-    num_evicted: int
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    adopted: tuple[int, ...]
-    duplicates: tuple[int, ...]
-    num_cached_tokens: int
 
 
 def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
@@ -208,21 +188,21 @@ class Client:
 
     # ---- the request path --------------------------------------------------------------------
 
-    def match(self, namespace: str, tokens: Any) -> MatchResult:
+    def match(self, namespace: str, tokens: Any) -> LeaseMatch:
         return self.match_many([(namespace, tokens)])[0]
 
-    def match_many(self, queries: Sequence[tuple[str, Any]]) -> list[MatchResult]:
+    def match_many(self, queries: Sequence[tuple[str, Any]]) -> list[LeaseMatch]:
         """One call for several prompts; each result holds its own lease."""
         req = pb.MatchRequest(client_id=self.client_id, queries=[
             pb.MatchQuery(namespace=ns, tokens=to_token_bytes(t)) for ns, t in queries])
         resp = self._call("Match", req)
-        return [MatchResult(r.lease_id, r.num_tokens, tuple(r.block_ids)) for r in resp.results]
+        return [LeaseMatch(r.lease_id, r.num_tokens, tuple(r.block_ids)) for r in resp.results]
 
-    def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "") -> AllocateResult:
+    def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "") -> Allocation:
         resp = self._call("Allocate", pb.AllocateRequest(
             client_id=self.client_id, lease_id=lease_id, namespace=namespace,
             num_blocks=num_blocks))
-        return AllocateResult(resp.lease_id, tuple(resp.block_ids), resp.num_evicted)
+        return Allocation(resp.lease_id, tuple(resp.block_ids), resp.num_evicted)
 
     def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],
                lease_id: int) -> InsertResult:

@@ -44,7 +44,7 @@ from radixkv.errors import (
     PermissionDenied,
 )
 from radixkv.events import EventLog
-from radixkv.tree import BlockRemoved, NodeView, RadixTree
+from radixkv.tree import BlockRemoved, InsertResult, NodeView, RadixTree
 
 MAX_NAMESPACE_LEN = 256
 EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to tell "expired" from "unknown"
@@ -62,24 +62,21 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class MatchOutcome:
+class LeaseMatch:
+    """A Match's answer: the lease pinning `block_ids`, which hold the first `num_tokens`."""
+
     lease_id: int
     num_tokens: int
     block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class AllocateOutcome:
+class Allocation:
+    """Blocks leased to `lease_id`; `num_evicted` blocks were evicted to make room."""
+
     lease_id: int
     block_ids: tuple[int, ...]
     num_evicted: int
-
-
-@dataclass(frozen=True, slots=True)
-class InsertOutcome:
-    adopted: tuple[int, ...]
-    duplicates: tuple[int, ...]
-    num_cached_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +161,11 @@ class KVService:
 
     # ---- the request path --------------------------------------------------------------------
 
-    def match(self, owner: str, namespace: str, tokens: bytes) -> MatchOutcome:
+    def match(self, owner: str, namespace: str, tokens: bytes) -> LeaseMatch:
         """Longest cached prefix of `tokens` in `namespace`; opens a lease that pins it."""
         return self.match_many(owner, [(namespace, tokens)])[0]
 
-    def match_many(self, owner: str, queries: Sequence[tuple[str, bytes]]) -> list[MatchOutcome]:
+    def match_many(self, owner: str, queries: Sequence[tuple[str, bytes]]) -> list[LeaseMatch]:
         """Batched match. All queries are validated before any lease opens."""
         for namespace, tokens in queries:
             self._check_namespace(namespace)
@@ -186,12 +183,12 @@ class KVService:
                 ns.query_tokens += len(tokens) // 4
                 ns.hit_tokens += m.num_tokens
                 self._recent.append((len(tokens) // 4, m.num_tokens))
-                out.append(MatchOutcome(lease.lease_id, m.num_tokens, m.block_ids))
+                out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids))
         return out
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int
-    ) -> AllocateOutcome:
+    ) -> Allocation:
         """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None),
         evicting unpinned LRU leaves when the free list is short."""
         if not 0 < num_blocks <= self.pool.num_blocks:
@@ -211,11 +208,11 @@ class KVService:
             for b in ids:
                 lease.owned[b] = None
                 self._lease_of_block[b] = lease.lease_id
-            return AllocateOutcome(lease.lease_id, tuple(ids), num_evicted)
+            return Allocation(lease.lease_id, tuple(ids), num_evicted)
 
     def insert(
         self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int]
-    ) -> InsertOutcome:
+    ) -> InsertResult:
         """Commit `block_ids` (one per full block of `tokens`) into the namespace's tree. Each
         id must be leased to `lease_id` or be the id the tree already holds at that position.
         Prefixes already cached are not adopted: those leased blocks return to the free list."""
@@ -261,8 +258,7 @@ class KVService:
                 ns.tree.lock(m.handle, hit=False)
                 lease.handles.append(m.handle)
             self.events.publish(namespace, ns.tree.take_events())
-            return InsertOutcome(tuple(result.adopted), tuple(result.duplicates),
-                                 result.num_cached_tokens)
+            return result
 
     def release(self, owner: str, lease_ids: Sequence[int]) -> int:
         """End leases: unpin, free leased blocks never inserted. Returns blocks freed."""
