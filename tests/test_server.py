@@ -289,3 +289,31 @@ def test_clear_command_frees_a_namespace(server, kv):
     assert json.loads(out.stdout) == {"namespace": "clear-me", "num_freed": 1}
     with pytest.raises(errors.NotFound):
         kv.dump_tree("clear-me")
+
+
+def test_serve_with_no_arguments_answers_health_and_reflection(monkeypatch):
+    """`radixkv serve` alone: host pool, default layout, the socket from $RADIXKV_SOCKET."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    directory = tempfile.mkdtemp(prefix="rkv-")
+    sock = os.path.join(directory, "default.sock")
+    monkeypatch.setenv("RADIXKV_SOCKET", sock)
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv.cli", "serve"], text=True,
+                            stdout=subprocess.PIPE)
+    try:
+        banner = proc.stdout.readline()
+        assert banner.startswith(f"radixkv serving on unix://{sock}: host pool, 1024 blocks")
+        with Client() as kv:  # the client resolves the same default
+            assert kv.health() == "SERVING"
+            assert kv.pool_info().handle.backend == "host"
+        with grpc.insecure_channel(f"unix://{sock}") as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            req = reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="radixkv.v1.RadixKV")
+            resp = next(stub.ServerReflectionInfo(iter([req]), timeout=10))
+        assert resp.file_descriptor_response.file_descriptor_proto
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    assert not os.path.exists(sock)
+    os.rmdir(directory)
