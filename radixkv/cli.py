@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -47,6 +48,7 @@ def cmd_calc(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
+    from radixkv.auth import read_token
     from radixkv.config import ServerConfig
     from radixkv.server import serve
     from radixkv.service import ServiceConfig
@@ -65,7 +67,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig.from_env(
         layout=layout, num_blocks=num_blocks, backend=args.backend, device=args.device,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
-        metrics_port=args.metrics_port, service=service)
+        metrics_port=args.metrics_port, service=service, tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=read_token(args.auth_token_file, os.environ.get("RADIXKV_AUTH_TOKEN")))
 
     def ready(server: object) -> None:
         from radixkv.layout import format_bytes
@@ -143,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                    " or /tmp/radixkv-$UID/radixkv.sock); '' with --tcp for TCP only")
     g.add_argument("--tcp", default=None, metavar="HOST:PORT",
                    help="also listen on TCP (off by default; use 127.0.0.1 unless you mean it)")
+    g.add_argument("--tls-cert", metavar="PEM", help="TLS certificate for the TCP port")
+    g.add_argument("--tls-key", metavar="PEM", help="TLS private key for the TCP port")
+    g.add_argument("--auth-token-file", metavar="PATH",
+                   help="require 'authorization: Bearer TOKEN' on every radixkv call (token: "
+                   "the file's first line; default $RADIXKV_AUTH_TOKEN; health stays open)")
     g.add_argument("--max-message-bytes", type=int, default=64 << 20,
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,

@@ -30,7 +30,8 @@ from google.protobuf.message import Message
 
 from gpu_pool import PoolHandle, PoolMapping, attach
 from radixkv import errors
-from radixkv.config import default_socket_path
+from radixkv.auth import call_credentials
+from radixkv.config import client_tls_ca, client_token, default_socket_path
 from radixkv.errors import RadixKVError
 from radixkv.layout import KVLayout
 from radixkv.service import Allocation, LeaseMatch
@@ -46,7 +47,7 @@ _BY_NAME: dict[str, type[RadixKVError]] = {c.__name__: c for c in errors.ALL_ERR
 _BY_CODE: dict[str, type[RadixKVError]] = {
     "INVALID_ARGUMENT": errors.InvalidArgument, "NOT_FOUND": errors.NotFound,
     "PERMISSION_DENIED": errors.PermissionDenied, "ALREADY_EXISTS": errors.AlreadyExists,
-    "UNAVAILABLE": errors.Unavailable,
+    "UNAVAILABLE": errors.Unavailable, "UNAUTHENTICATED": errors.Unauthenticated,
 }
 
 
@@ -113,14 +114,26 @@ class Client:
     after forking)."""
 
     def __init__(self, target: str | None = None, client_id: str | None = None,
-                 timeout: float = 30.0, max_message_bytes: int = 64 << 20) -> None:
+                 timeout: float = 30.0, max_message_bytes: int = 64 << 20,
+                 token: str | None = None, tls_ca: str | None = None) -> None:
+        """`token` (default $RADIXKV_AUTH_TOKEN) is sent with every call; `tls_ca` (default
+        $RADIXKV_TLS_CA), a PEM file, makes the channel TLS and trusts that CA."""
         self.target = normalize_target(target)
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.target, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ])
+        self._metadata = call_credentials(token or client_token())
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        ca = tls_ca or client_tls_ca()
+        if ca:
+            try:
+                root = open(ca, "rb").read()  # noqa: SIM115
+            except OSError as e:
+                raise errors.InvalidArgument(f"cannot read the TLS CA {ca!r}: {e}") from None
+            creds = grpc.ssl_channel_credentials(root_certificates=root)
+            self._channel = grpc.secure_channel(self.target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=options)
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)  # type: ignore[no-untyped-call]
         self._mapping: PoolMapping | None = None
         self._info: PoolInfo | None = None
@@ -129,7 +142,8 @@ class Client:
 
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         try:
-            return getattr(self._stub, name)(request, timeout=timeout or self.timeout)
+            return getattr(self._stub, name)(request, timeout=timeout or self.timeout,
+                                             metadata=self._metadata)
         except grpc.RpcError as e:
             err = to_error(e)
             if isinstance(err, errors.Unavailable) and "failed to connect" in str(err):
@@ -254,7 +268,8 @@ class Client:
         events were missed: rebuild from `dump_tree` and resume after its last sequence.
         Closing the iterator (or leaving a loop over it) cancels the call."""
         call = self._stub.Events(pb.EventsRequest(from_sequence=from_sequence,
-                                                  namespace=namespace), timeout=timeout)
+                                                  namespace=namespace), timeout=timeout,
+                                 metadata=self._metadata)
         try:
             yield from call
         except grpc.RpcError as e:

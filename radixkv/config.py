@@ -7,6 +7,8 @@
 | RADIXKV_BACKEND       | host or cuda                              | host                        |
 | RADIXKV_TCP           | also listen on HOST:PORT                  | off                         |
 | RADIXKV_LEASE_TTL     | seconds a lease lives without use         | 30                          |
+| RADIXKV_AUTH_TOKEN    | bearer token (server requires, client sends) | off                      |
+| RADIXKV_TLS_CA        | client: PEM of the CA that signed the server's TLS certificate | off  |
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     workers: int = 8
     metrics_port: int | None = None
+    tls_cert: str | None = None  # PEM files: TLS on the TCP port
+    tls_key: str | None = None
+    auth_token: str | None = None  # required from every radixkv.v1 call when set
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
     @classmethod
@@ -54,6 +59,8 @@ class ServerConfig:
             cfg = replace(cfg, backend=env["RADIXKV_BACKEND"])
         if "RADIXKV_TCP" in env:
             cfg = replace(cfg, tcp=env["RADIXKV_TCP"])
+        if env.get("RADIXKV_AUTH_TOKEN"):
+            cfg = replace(cfg, auth_token=env["RADIXKV_AUTH_TOKEN"])
         if "RADIXKV_LEASE_TTL" in env:
             cfg = replace(cfg, service=replace(cfg.service,
                                                lease_ttl_s=float(env["RADIXKV_LEASE_TTL"])))
@@ -64,3 +71,14 @@ class ServerConfig:
         if self.socket == "" and self.tcp:
             return None
         return self.socket or default_socket_path()
+
+
+def client_token() -> str | None:
+    """The bearer token a client sends: $RADIXKV_AUTH_TOKEN, or None."""
+    return os.environ.get("RADIXKV_AUTH_TOKEN") or None
+
+
+def client_tls_ca() -> str | None:
+    """PEM file of the CA a client trusts for TLS: $RADIXKV_TLS_CA, or None (plaintext)."""
+    return os.environ.get("RADIXKV_TLS_CA") or None
+

@@ -45,6 +45,12 @@ class PermissionDenied(RadixKVError):
     code = "PERMISSION_DENIED"
 
 
+class Unauthenticated(RadixKVError):
+    """A call without the service's auth token."""
+
+    code = "UNAUTHENTICATED"
+
+
 class AlreadyExists(RadixKVError):
     """Blocks that are already in the tree, or a second server on the same socket."""
 
@@ -75,6 +81,7 @@ ALL_ERRORS: tuple[type[RadixKVError], ...] = (
     LeaseExpired,
     FailedPrecondition,
     PermissionDenied,
+    Unauthenticated,
     AlreadyExists,
     OutOfBlocks,
     StalePool,

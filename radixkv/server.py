@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_pool import create_pool
+from radixkv.auth import TokenInterceptor, server_credentials
 from radixkv.config import ServerConfig
 from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
 from radixkv.metrics import Metrics
@@ -58,8 +59,9 @@ class RadixKVServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        interceptors = [TokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers),
-                             options=options)
+                             options=options, interceptors=interceptors)
         self.metrics: Metrics | None = None
         if cfg.metrics_port:
             self.metrics = Metrics(self.service)
@@ -86,10 +88,17 @@ class RadixKVServer:
         if path:
             self._bind_unix(path)
         if cfg.tcp:
-            port = self._server.add_insecure_port(cfg.tcp)
+            creds = server_credentials(cfg.tls_cert, cfg.tls_key)
+            host = cfg.tcp.rsplit(":", 1)[0]
+            if creds is None and host not in ("127.0.0.1", "localhost", "[::1]"):
+                log.warning("TCP %s without TLS: anyone who reaches it can read the traffic; "
+                            "give --tls-cert/--tls-key", cfg.tcp)
+            if creds is None:
+                port = self._server.add_insecure_port(cfg.tcp)
+            else:
+                port = self._server.add_secure_port(cfg.tcp, creds)
             if port == 0:
                 raise AlreadyExists(f"cannot listen on TCP {cfg.tcp}")
-            host = cfg.tcp.rsplit(":", 1)[0]
             self.addresses.append(f"{host}:{port}")
         if self.metrics is not None and cfg.metrics_port:
             port = self.metrics.start_http(cfg.metrics_port)

@@ -1,0 +1,64 @@
+"""TLS on the TCP port and the bearer token, against a real server."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+from _server import running_server
+
+from radixkv import errors
+from radixkv.client import Client
+
+TOKEN = "s3cret-token-0123456789"
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return str(path)
+
+
+def test_token_is_required_on_radixkv_calls_but_not_on_health(token_file):
+    with running_server("--auth-token-file", token_file) as s:
+        with Client(s.socket) as anonymous:
+            assert anonymous.health() == "SERVING"  # load balancers probe without a token
+            with pytest.raises(errors.Unauthenticated, match="auth token"):
+                anonymous.pool_info()
+            with pytest.raises(errors.Unauthenticated):
+                list(anonymous.events(from_sequence=1, timeout=1))
+        with Client(s.socket, token="wrong-token-0123456789") as wrong:
+            with pytest.raises(errors.Unauthenticated):
+                wrong.match("ns", [1, 2, 3, 4])
+        with Client(s.socket, token=TOKEN) as kv:
+            m = kv.match("ns", [1, 2, 3, 4])
+            kv.release(m.lease_id)
+            assert kv.stats(check_integrity=True)["integrity"] == "ok"
+
+
+def test_short_token_is_refused(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("short\n")
+    with pytest.raises(RuntimeError, match="use at least 16"):
+        with running_server("--auth-token-file", str(path)):
+            pass
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_on_tcp(tmp_path, token_file):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with running_server("--tcp", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key),
+                        "--auth-token-file", token_file) as s:
+        port = re.search(r"127\.0\.0\.1:(\d+)", s.banner).group(1)
+        with Client(f"localhost:{port}", tls_ca=str(cert), token=TOKEN, timeout=10) as kv:
+            assert kv.pool_info().layout.block_size == 4
+        with Client(f"localhost:{port}", token=TOKEN, timeout=3) as plaintext:
+            with pytest.raises(errors.Unavailable):
+                plaintext.pool_info()
