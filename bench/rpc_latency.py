@@ -244,6 +244,7 @@ def main() -> int:
                             "--tcp", f"127.0.0.1:{kv_port}", "--model-config", cfg,
                             "--block-size", str(args.block_size), "--num-blocks", "65536",
                             "--lease-ttl", "600", "--log-level", "warning"], "radixkv serving"))
+        from radixkv.tokens import to_token_bytes
         from radixkv.v1 import radixkv_pb2 as pb
 
         prompts = [prompt(args.seed * 1000 + i, args.prompt_tokens) for i in range(64)]
@@ -251,7 +252,8 @@ def main() -> int:
         payload = pb.MatchRequest(client_id="x" * 40, queries=[
             pb.MatchQuery(namespace="bench", tokens=prompts[0])]).SerializeToString()
         reply = pb.MatchResponse(results=[pb.MatchResult(
-            lease_id=2**62, num_tokens=m.num_tokens, block_ids=m.block_ids)]).ByteSize()
+            lease_id=2**62, num_tokens=m.num_tokens,
+            block_ids=to_token_bytes(m.block_ids))]).ByteSize()
         procs.append(start([sys.executable, __file__, "--echo-server", echo_sock,
                             str(echo_port), str(reply)], "echo ready"))
 

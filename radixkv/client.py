@@ -36,7 +36,7 @@ from radixkv.errors import RadixKVError
 from radixkv.layout import KVLayout
 from radixkv.service import Allocation, LeaseMatch
 from radixkv.servicer import ERROR_KEY
-from radixkv.tokens import to_token_bytes
+from radixkv.tokens import ids_from_bytes, to_token_bytes
 from radixkv.tree import InsertResult, NodeView
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
@@ -210,13 +210,14 @@ class Client:
         req = pb.MatchRequest(client_id=self.client_id, queries=[
             pb.MatchQuery(namespace=ns, tokens=to_token_bytes(t)) for ns, t in queries])
         resp = self._call("Match", req)
-        return [LeaseMatch(r.lease_id, r.num_tokens, tuple(r.block_ids)) for r in resp.results]
+        return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids))
+                for r in resp.results]
 
     def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "") -> Allocation:
         resp = self._call("Allocate", pb.AllocateRequest(
             client_id=self.client_id, lease_id=lease_id, namespace=namespace,
             num_blocks=num_blocks))
-        return Allocation(resp.lease_id, tuple(resp.block_ids), resp.num_evicted)
+        return Allocation(resp.lease_id, ids_from_bytes(resp.block_ids), resp.num_evicted)
 
     def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],
                lease_id: int) -> InsertResult:
@@ -225,10 +226,12 @@ class Client:
     def insert_many(self, items: Sequence[tuple[str, Any, Sequence[int], int]]
                     ) -> list[InsertResult]:
         req = pb.InsertRequest(client_id=self.client_id, items=[
-            pb.InsertItem(namespace=ns, tokens=to_token_bytes(t), block_ids=ids, lease_id=lid)
+            pb.InsertItem(namespace=ns, tokens=to_token_bytes(t), block_ids=to_token_bytes(ids),
+                          lease_id=lid)
             for ns, t, ids, lid in items])
         resp = self._call("Insert", req)
-        return [InsertResult(tuple(r.adopted), tuple(r.duplicates), r.num_cached_tokens)
+        return [InsertResult(ids_from_bytes(r.adopted), ids_from_bytes(r.duplicates),
+                             r.num_cached_tokens)
                 for r in resp.results]
 
     def release(self, *lease_ids: int) -> int:

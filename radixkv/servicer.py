@@ -20,6 +20,7 @@ from radixkv.errors import ALL_ERRORS, InvalidArgument, RadixKVError
 from radixkv.events import KVEvent
 from radixkv.layout import KVLayout
 from radixkv.service import KVService
+from radixkv.tokens import ids_from_bytes, to_token_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 
@@ -136,14 +137,15 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         outcomes = self.service.match_many(
             _owner(request.client_id), [(q.namespace, q.tokens) for q in request.queries])
         return pb.MatchResponse(results=[
-            pb.MatchResult(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=o.block_ids)
+            pb.MatchResult(lease_id=o.lease_id, num_tokens=o.num_tokens,
+                           block_ids=to_token_bytes(o.block_ids))
             for o in outcomes])
 
     @rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
                                   request.namespace, request.num_blocks)
-        return pb.AllocateResponse(lease_id=o.lease_id, block_ids=o.block_ids,
+        return pb.AllocateResponse(lease_id=o.lease_id, block_ids=to_token_bytes(o.block_ids),
                                    num_evicted=o.num_evicted)
 
     @rpc
@@ -154,8 +156,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         results = []
         for item in request.items:
             o = self.service.insert(owner, item.lease_id, item.namespace, item.tokens,
-                                    item.block_ids)
-            results.append(pb.InsertResult(adopted=o.adopted, duplicates=o.duplicates,
+                                    ids_from_bytes(item.block_ids))
+            results.append(pb.InsertResult(adopted=to_token_bytes(o.adopted),
+                                           duplicates=to_token_bytes(o.duplicates),
                                            num_cached_tokens=o.num_cached_tokens))
         return pb.InsertResponse(results=results)
 

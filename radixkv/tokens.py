@@ -1,4 +1,4 @@
-"""Token ids as little-endian uint32 `bytes`, the form the tree and the wire use.
+"""Token ids (and block ids) as little-endian uint32 `bytes`, the form the tree and the wire use.
 
 `to_token_bytes` is the one place where other forms (bytearray, memoryview, numpy arrays, lists of
 ints) are checked and converted; `bytes` pass through untouched, so hot paths pay nothing.
@@ -74,3 +74,14 @@ def from_token_bytes(data: bytes | bytearray | memoryview) -> npt.NDArray[np.uin
     if nbytes % 4:
         raise InvalidArgument(f"token bytes must be a multiple of 4 long, got {nbytes}")
     return np.frombuffer(data, dtype=TOKEN_DTYPE)
+
+
+def ids_from_bytes(data: bytes) -> tuple[int, ...]:
+    """Ids (block ids on the wire) from little-endian uint32 bytes, as a tuple of ints."""
+    if len(data) % 4:
+        raise InvalidArgument(f"id bytes must be a multiple of 4 long, got {len(data)}")
+    packed = array.array("I", data)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return tuple(packed)
+

@@ -75,8 +75,8 @@ class MatchResult(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     num_tokens: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_ids: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[bytes] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results",)
@@ -102,9 +102,9 @@ class AllocateResponse(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: bytes
     num_evicted: int
-    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_evicted: _Optional[int] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ...) -> None: ...
 
 class InsertItem(_message.Message):
     __slots__ = ("lease_id", "namespace", "tokens", "block_ids")
@@ -115,8 +115,8 @@ class InsertItem(_message.Message):
     lease_id: int
     namespace: str
     tokens: bytes
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_ids: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("client_id", "items")
@@ -131,10 +131,10 @@ class InsertResult(_message.Message):
     ADOPTED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    adopted: _containers.RepeatedScalarFieldContainer[int]
-    duplicates: _containers.RepeatedScalarFieldContainer[int]
+    adopted: bytes
+    duplicates: bytes
     num_cached_tokens: int
-    def __init__(self, adopted: _Optional[_Iterable[int]] = ..., duplicates: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, adopted: _Optional[bytes] = ..., duplicates: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("results",)
