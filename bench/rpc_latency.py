@@ -1,13 +1,15 @@
 """RPC latency and throughput of the real service against a gRPC echo floor.
 
-    python bench/rpc_latency.py                    # ~1 minute on 2 cores
+    python bench/rpc_latency.py                    # ~2 minutes on 2 cores
     python bench/rpc_latency.py --json
 
 Starts `radixkv serve` (Unix socket + TCP on 127.0.0.1) and an echo server (same grpcio, same
 thread-pool server, a handler that does nothing but reply) in subprocesses. For each transport:
 Match p50/p99 unbatched, Allocate+Insert p50/p99, batched Match (--batch queries a call), and
 1 vs N client processes. The echo floor carries the same request bytes and replies with as many
-bytes as Match's reply, so the ratio isolates what the service itself costs.
+bytes as Match's reply, so the ratio isolates what the service itself costs. Cases that are
+compared run interleaved, round after round (--rounds), and each ratio is the median of the
+rounds' ratios: a shared machine's speed drifts by more than the differences measured here.
 """
 
 from __future__ import annotations
@@ -161,15 +163,36 @@ def run_echo(target: str, payload: bytes, seconds: float, barrier_at: float
     return {"lat": lat, "requests": len(lat)}
 
 
-def run_clients(fn, n: int, args: tuple, seconds: float) -> dict[str, float]:  # type: ignore
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(n) as pool:
-        barrier_at = time.time() + 3.0  # all processes start timing together
-        results = pool.starmap(fn, [(*args, seconds, barrier_at)] * n)
+def summarize(results: list[dict[str, object]], seconds: float) -> dict[str, float]:
     lat = np.concatenate([np.asarray(r["lat"]) for r in results])
     requests = sum(int(r["requests"]) for r in results)  # type: ignore[call-overload]
     return {"p50_us": percentile_us(lat, 50), "p99_us": percentile_us(lat, 99),
             "calls_per_s": len(lat) / seconds, "requests_per_s": requests / seconds}
+
+
+def run_rounds(n: int, cases: dict[str, tuple], seconds: float,  # type: ignore[type-arg]
+               rounds: int) -> dict[str, list[dict[str, float]]]:
+    """Each case (fn, args) on `n` client processes, interleaved over `rounds` rounds, so that
+    a machine that speeds up or slows down during the run affects every case alike. A first,
+    untimed round warms the processes (imports, channels)."""
+    out: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
+    with mp.get_context("spawn").Pool(n) as pool:
+        for r in range(rounds + 1):
+            for name, (fn, args) in cases.items():
+                barrier_at = time.time() + 1.0  # the processes start timing together
+                results = pool.starmap(fn, [(*args, seconds, barrier_at)] * n)
+                if r:
+                    out[name].append(summarize(results, seconds))
+    return out
+
+
+def median_of(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {key: float(np.median([row[key] for row in rows])) for key in rows[0]}
+
+
+def median_ratio(a: list[dict[str, float]], b: list[dict[str, float]], key: str) -> float:
+    """Median over rounds of a[key] / b[key] (each round's pair ran back to back)."""
+    return float(np.median([x[key] / y[key] for x, y in zip(a, b, strict=True)]))
 
 
 def populate(target: str, prompts: list[bytes], block_size: int):  # type: ignore[no-untyped-def]
@@ -214,7 +237,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seconds", type=float, default=3.0, help="per measurement (3)")
+    p.add_argument("--seconds", type=float, default=1.0, help="per case and round (1)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds; ratios are medians over them (5)")
     p.add_argument("--clients", type=int, default=8, help="client processes for throughput (8)")
     p.add_argument("--batch", type=int, default=32, help="queries per batched Match (32)")
     p.add_argument("--transports", default="unix,tcp")
@@ -261,30 +286,35 @@ def main() -> int:
         procs.append(start([sys.executable, __file__, "--aio-server", aio_sock, cfg,
                             "--block-size", str(args.block_size)], "radixkv aio ready"))
         populate(aio_sock, prompts, args.block_size)
-        aio = {"match_1": run_clients(run_match, 1, (f"unix://{aio_sock}", prompts, 1),
-                                      args.seconds),
-               "match_n": run_clients(run_match, args.clients,
-                                      (f"unix://{aio_sock}", prompts, 1), args.seconds)}
+        aio_t = f"unix://{aio_sock}"
+        aio = {"match_1": median_of(run_rounds(1, {"m": (run_match, (aio_t, prompts, 1))},
+                                               args.seconds, args.rounds)["m"]),
+               "match_n": median_of(run_rounds(args.clients,
+                                               {"m": (run_match, (aio_t, prompts, 1))},
+                                               args.seconds, args.rounds)["m"])}
         results["aio_unix"] = aio
 
         for transport in args.transports.split(","):
             kv_t = f"unix://{sock}" if transport == "unix" else f"127.0.0.1:{kv_port}"
             echo_t = f"unix://{echo_sock}" if transport == "unix" else f"127.0.0.1:{echo_port}"
             r: dict[str, object] = {}
-            s = args.seconds
-            r["echo_1"] = run_clients(run_echo, 1, (echo_t, payload), s)
-            r["match_1"] = run_clients(run_match, 1, (kv_t, prompts, 1), s)
-            r["match_batched_1"] = run_clients(run_match, 1, (kv_t, prompts, args.batch), s)
-            r["echo_n"] = run_clients(run_echo, args.clients, (echo_t, payload), s)
-            r["match_n"] = run_clients(run_match, args.clients, (kv_t, prompts, 1), s)
+            s, k = args.seconds, args.rounds
+            one = run_rounds(1, {"echo": (run_echo, (echo_t, payload)),
+                                 "match": (run_match, (kv_t, prompts, 1)),
+                                 "batched": (run_match, (kv_t, prompts, args.batch))}, s, k)
+            many = run_rounds(args.clients, {"echo": (run_echo, (echo_t, payload)),
+                                             "match": (run_match, (kv_t, prompts, 1))}, s, k)
+            r["echo_1"], r["match_1"] = median_of(one["echo"]), median_of(one["match"])
+            r["match_batched_1"] = median_of(one["batched"])
+            r["echo_n"], r["match_n"] = median_of(many["echo"]), median_of(many["match"])
             r["allocate_insert"] = allocate_insert(kv_t, args.prompt_tokens, args.block_size,
                                                    200)
             r["ratios"] = {
-                "match_p50_over_echo_p50": r["match_1"]["p50_us"] / r["echo_1"]["p50_us"],
+                "match_p50_over_echo_p50": median_ratio(one["match"], one["echo"], "p50_us"),
                 "match_n_over_echo_n_throughput":
-                    r["match_n"]["calls_per_s"] / r["echo_n"]["calls_per_s"],
+                    median_ratio(many["match"], many["echo"], "calls_per_s"),
                 "batched_over_unbatched_requests_per_s":
-                    r["match_batched_1"]["requests_per_s"] / r["match_1"]["requests_per_s"],
+                    median_ratio(one["batched"], one["match"], "requests_per_s"),
             }
             results[transport] = r
             if not args.json:
