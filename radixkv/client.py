@@ -137,6 +137,7 @@ class Client:
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)  # type: ignore[no-untyped-call]
         self._mapping: PoolMapping | None = None
         self._info: PoolInfo | None = None
+        self.restarts = 0  # service restarts this client noticed (pool epoch changes)
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -179,17 +180,27 @@ class Client:
     def check_epoch(self) -> bool:
         """Ask the service for its pool epoch; re-attach if it changed. True if it changed."""
         info = self.pool_info()
-        if self._info is not None and info.epoch != self._info.epoch:
-            log.warning("radixkv service restarted (pool epoch %s -> %s): re-attaching the pool;"
-                        " leases and block ids from before are gone",
-                        self._info.epoch, info.epoch)
-            if self._mapping is not None:
-                self._mapping.close()
-                self._mapping = None
-            self._info = info
-            return True
+        changed = self._info is not None and info.epoch != self._info.epoch
+        if changed:
+            self._forget_pool(info.epoch)
         self._info = info
-        return False
+        return changed
+
+    def _note_epoch(self, epoch: str) -> None:
+        """Match and Allocate answers carry the epoch: a new one means the service restarted,
+        and their block ids belong to the new pool, so drop the old mapping now."""
+        if self._info is not None and epoch != self._info.epoch:
+            self._forget_pool(epoch)
+            self._info = self.pool_info()
+
+    def _forget_pool(self, epoch: str) -> None:
+        assert self._info is not None
+        log.warning("radixkv service restarted (pool epoch %s -> %s): re-attaching the pool; "
+                    "leases and block ids from before are gone", self._info.epoch, epoch)
+        self.restarts += 1
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
 
     def pool(self, refresh: bool = False) -> PoolMapping:
         """The service's block pool mapped into this process (zero-copy), attached once."""
@@ -210,6 +221,7 @@ class Client:
         req = pb.MatchRequest(client_id=self.client_id, queries=[
             pb.MatchQuery(namespace=ns, tokens=to_token_bytes(t)) for ns, t in queries])
         resp = self._call("Match", req)
+        self._note_epoch(resp.epoch)
         return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids))
                 for r in resp.results]
 
@@ -217,6 +229,7 @@ class Client:
         resp = self._call("Allocate", pb.AllocateRequest(
             client_id=self.client_id, lease_id=lease_id, namespace=namespace,
             num_blocks=num_blocks))
+        self._note_epoch(resp.epoch)
         return Allocation(resp.lease_id, ids_from_bytes(resp.block_ids), resp.num_evicted)
 
     def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],

@@ -136,7 +136,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             raise InvalidArgument("Match needs at least one query")
         outcomes = self.service.match_many(
             _owner(request.client_id), [(q.namespace, q.tokens) for q in request.queries])
-        return pb.MatchResponse(results=[
+        return pb.MatchResponse(epoch=self.service.pool.epoch, results=[
             pb.MatchResult(lease_id=o.lease_id, num_tokens=o.num_tokens,
                            block_ids=to_token_bytes(o.block_ids))
             for o in outcomes])
@@ -145,7 +145,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
                                   request.namespace, request.num_blocks)
-        return pb.AllocateResponse(lease_id=o.lease_id, block_ids=to_token_bytes(o.block_ids),
+        return pb.AllocateResponse(epoch=self.service.pool.epoch, lease_id=o.lease_id,
+                                   block_ids=to_token_bytes(o.block_ids),
                                    num_evicted=o.num_evicted)
 
     @rpc

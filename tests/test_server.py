@@ -255,7 +255,13 @@ def test_restart_changes_epoch_and_client_reattaches():
         first = kv.pool()
         epoch = kv.pool_info().epoch
         assert kv.check_epoch() is False
+        engine = Client(sock)  # notices restarts from Match answers alone
+        engine_first = engine.pool()
     with running_server(socket_path=sock):
+        m = engine.match("ns", [1, 2, 3, 4])
+        assert engine.restarts == 1 and engine.pool() is not engine_first
+        engine.release(m.lease_id)
+        engine.close()
         assert kv.check_epoch() is True  # same socket, new service start
         assert kv.pool_info().epoch != epoch
         second = kv.pool()

@@ -79,6 +79,7 @@ class Engine:
         self._owns_client = isinstance(service, str)
         self.kv = Client(service) if isinstance(service, str) else service
         self.layout: KVLayout | None = None
+        self._restarts_seen = 0
         if self.kv is not None:
             self.kv.wait_ready()
             self._check_layout()
@@ -101,10 +102,12 @@ class Engine:
             self.kv.close()
 
     def _pool_view(self) -> torch.Tensor:
-        """The pool, re-attached if the service restarted (one PoolInfo call): block ids the
-        new service hands out must not be written through a mapping of the old pool."""
+        """The pool mapping, taken after a Match: Match answers carry the pool epoch, so the
+        client has already re-attached if the service restarted (block ids of the new service
+        must not be written through a mapping of the old pool); the layout is checked again."""
         assert self.kv is not None
-        if self.kv.check_epoch():
+        if self.kv.restarts != self._restarts_seen:
+            self._restarts_seen = self.kv.restarts
             self._check_layout()
         return self.kv.pool().view()
 
@@ -140,9 +143,9 @@ class Engine:
         if not tokens:
             raise InvalidArgument("prefill needs at least one token")
         t0 = time.perf_counter()
-        view = self._pool_view()
         tokens = list(tokens)
         with self.kv.lease(self.namespace, tokens) as lease:
+            view = self._pool_view()
             t1 = time.perf_counter()
             use = min(lease.num_tokens, len(tokens) - 1)
             cache = self._new_cache()

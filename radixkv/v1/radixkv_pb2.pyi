@@ -79,10 +79,12 @@ class MatchResult(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[bytes] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "epoch")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[MatchResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ...) -> None: ...
+    epoch: str
+    def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("client_id", "lease_id", "namespace", "num_blocks")
@@ -97,14 +99,16 @@ class AllocateRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("lease_id", "block_ids", "num_evicted")
+    __slots__ = ("lease_id", "block_ids", "num_evicted", "epoch")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     block_ids: bytes
     num_evicted: int
-    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ...) -> None: ...
+    epoch: str
+    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class InsertItem(_message.Message):
     __slots__ = ("lease_id", "namespace", "tokens", "block_ids")
