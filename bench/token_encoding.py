@@ -5,7 +5,7 @@
 For 2k and 32k tokens, times what each side of a call pays: the client building and serializing
 the message, the server parsing it and getting the ids into a numpy array (what the service
 needs), and the wire size. The carrier messages are the protocol's own: MatchQuery.tokens
-(bytes) and InsertItem.block_ids (packed repeated uint32).
+(bytes) and TreeNode.block_ids (packed repeated uint32).
 """
 
 from __future__ import annotations
@@ -13,36 +13,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
 
 from radixkv.v1 import radixkv_pb2 as pb
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import time_calls  # noqa: E402
+
 
 def best_us(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
     """Median of `repeat` timed calls, in microseconds (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e6)
+    return float(np.median(time_calls(fn, repeat)) * 1e6)
 
 
 def measure(n: int, repeat: int) -> dict[str, float]:
     ids = np.random.default_rng(0).integers(0, 128_000, n, dtype="<u4")
     as_list = ids.tolist()
     wire_bytes = pb.MatchQuery(namespace="ns", tokens=ids.tobytes()).SerializeToString()
-    wire_packed = pb.InsertItem(namespace="ns", block_ids=as_list).SerializeToString()
+    wire_packed = pb.TreeNode(block_ids=as_list).SerializeToString()
 
     def parse_bytes() -> np.ndarray:
         m = pb.MatchQuery.FromString(wire_bytes)
         return np.frombuffer(m.tokens, dtype="<u4")
 
     def parse_packed() -> np.ndarray:
-        m = pb.InsertItem.FromString(wire_packed)
+        m = pb.TreeNode.FromString(wire_packed)
         return np.fromiter(m.block_ids, dtype="<u4", count=n)
 
     assert np.array_equal(parse_bytes(), parse_packed())
@@ -52,8 +49,8 @@ def measure(n: int, repeat: int) -> dict[str, float]:
         "packed_wire": len(wire_packed),
         "bytes_build_us": best_us(lambda: pb.MatchQuery(
             namespace="ns", tokens=ids.tobytes()).SerializeToString(), repeat),
-        "packed_build_us": best_us(lambda: pb.InsertItem(
-            namespace="ns", block_ids=as_list).SerializeToString(), repeat),
+        "packed_build_us": best_us(lambda: pb.TreeNode(
+            block_ids=as_list).SerializeToString(), repeat),
         "bytes_parse_us": best_us(parse_bytes, repeat),
         "packed_parse_us": best_us(parse_packed, repeat),
     }
