@@ -1,0 +1,35 @@
+"""The light benchmarks still run end to end (tiny sizes; their figures are not checked here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def run(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("token_encoding.py", "--sizes", "64", "--repeat", "3", "--json"),
+    ("pool_copy.py", "--blocks", "4", "--repeat", "1", "--json"),
+])
+def test_bench_prints_json(args):
+    json.loads(run(str(BENCH / args[0]), *args[1:]))
+
+
+def test_workload_to_tree_replay(tmp_path):
+    trace = tmp_path / "w.jsonl"
+    run(str(BENCH / "gen_workload.py"), "--requests", "40", "--out", str(trace))
+    report = json.loads(run(str(BENCH / "tree_replay.py"), "--trace", str(trace),
+                            "--block-size", "16", "--capacity-blocks", "512", "--no-memory",
+                            "--json"))
+    assert report["requests"] == 40 and 0 < report["token_hit_rate"] < 1
