@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig.from_env(
         layout=layout, num_blocks=num_blocks, backend=args.backend, device=args.device,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
-        workers=args.workers,
+        workers=args.workers, stream_workers=args.stream_workers,
         metrics_port=args.metrics_port, service=service, tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file, os.environ.get("RADIXKV_AUTH_TOKEN")))
@@ -153,8 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--auth-token-file", metavar="PATH",
                    help="require 'authorization: Bearer TOKEN' on every radixkv call (token: "
                    "the file's first line; default $RADIXKV_AUTH_TOKEN; health stays open)")
-    g.add_argument("--workers", type=int, default=8,
-                   help="threads serving calls (8); Python runs one at a time anyway")
+    g.add_argument("--workers", type=int, default=2,
+                   help="threads running calls (2: Python runs one at a time, more only "
+                   "contend for the GIL)")
+    g.add_argument("--stream-workers", type=int, default=16,
+                   help="concurrent server streams, e.g. `radixkv events` subscribers (16)")
     g.add_argument("--max-message-bytes", type=int, default=64 << 20,
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,

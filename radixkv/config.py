@@ -41,7 +41,8 @@ class ServerConfig:
     socket: str | None = None  # None: default_socket_path(); "" with tcp set: TCP only
     tcp: str | None = None  # "HOST:PORT" to also listen on TCP
     max_message_bytes: int = 64 << 20
-    workers: int = 8
+    workers: int = 2  # threads running calls (radixkv/executor.py says why so few)
+    stream_workers: int = 16  # concurrent server streams (Events subscribers, ...)
     metrics_port: int | None = None
     tls_cert: str | None = None  # PEM files: TLS on the TCP port
     tls_key: str | None = None

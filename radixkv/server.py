@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from gpu_pool import create_pool
 from radixkv.auth import TokenInterceptor, server_credentials
 from radixkv.config import ServerConfig
 from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.executor import SplitExecutor
 from radixkv.metrics import Metrics
 from radixkv.service import KVService
 from radixkv.servicer import SERVICE_NAME, Servicer
@@ -60,7 +60,7 @@ class RadixKVServer:
             ("grpc.so_reuseport", 0),
         ]
         interceptors = [TokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers),
+        server = grpc.server(SplitExecutor(cfg.workers, cfg.stream_workers),
                              options=options, interceptors=interceptors)
         self.metrics: Metrics | None = None
         if cfg.metrics_port:

@@ -323,3 +323,24 @@ def test_serve_with_no_arguments_answers_health_and_reflection(monkeypatch):
         assert proc.wait(20) == 0
     assert not os.path.exists(sock)
     os.rmdir(directory)
+
+
+def test_event_subscribers_do_not_starve_calls():
+    """Streams run on their own threads: more subscribers than call threads, calls still flow."""
+    from radixkv.v1 import radixkv_pb2 as pb
+
+    with running_server("--workers", "1", "--stream-workers", "4") as s:
+        subscribers = [Client(s.socket) for _ in range(3)]
+        # raw stubs: the calls start now, not on the first next()
+        streams = [c._stub.Events(pb.EventsRequest(), timeout=30) for c in subscribers]
+        time.sleep(0.5)  # let every stream reach the server and park on its thread
+        with Client(s.socket, timeout=5) as kv:
+            tokens = [5, 6, 7, 8]
+            with kv.lease("busy", tokens) as lease:
+                lease.insert(tokens, lease.allocate(1))
+        got = [next(stream) for stream in streams]  # every subscriber sees the insert
+        assert [list(e.stored.block_ids) for e in got] == [[0], [0], [0]]
+        for stream in streams:
+            stream.cancel()
+        for c in subscribers:
+            c.close()
