@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
         "hidden_size": 4, "torch_dtype": "float32"}  # 512 B blocks at block_size 16
 ECHO_METHOD = "/bench.Echo/Echo"
+ECHO_WORKERS = 2  # as many call threads as `radixkv serve` runs by default (a fair floor)
 
 
 # ---- the echo floor ------------------------------------------------------------------------
@@ -46,7 +47,7 @@ def serve_echo(unix: str, tcp_port: int, reply_bytes: int) -> None:
     reply = b"\0" * reply_bytes
     handler = grpc.method_handlers_generic_handler("bench.Echo", {
         "Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: reply)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=ECHO_WORKERS), options=[
         ("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"unix://{unix}")
