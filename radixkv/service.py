@@ -244,10 +244,7 @@ class KVService:
                     raise PermissionDenied(f"block {b} is not allocated to lease {lease_id}")
                 raise AlreadyExists(f"block {b} is already cached under another prefix")
             result = ns.tree.insert(tokens, block_ids)
-            for b in result.adopted:
-                del lease.owned[b]
-                del self._lease_of_block[b]
-            for b in result.duplicates:
+            for b in result.adopted + result.duplicates:  # no longer the lease's
                 del lease.owned[b]
                 del self._lease_of_block[b]
             if result.duplicates:

@@ -7,6 +7,7 @@ metadata key `radixkv-error`, so the client can raise the same class again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -181,21 +182,15 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
                 integrity = "ok"
             except AssertionError as e:
                 integrity = f"FAILED: {e}"
+        # ServiceStats and NamespaceStats name their fields as the proto does
+        counters = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
+                    if f.name != "namespaces"}
         return pb.StatsResponse(
-            integrity=integrity,
-            backend=self.service.pool.backend, layout=layout_pb(self.service.pool.layout),
-            num_blocks=s.num_blocks, free_blocks=s.free_blocks, leased_blocks=s.leased_blocks,
-            cached_blocks=s.cached_blocks, pinned_blocks=s.pinned_blocks,
-            live_leases=s.live_leases, expired_leases=s.expired_leases, requests=s.requests,
-            query_tokens=s.query_tokens, hit_tokens=s.hit_tokens,
-            recent_requests=s.recent_requests, recent_query_tokens=s.recent_query_tokens,
-            recent_hit_tokens=s.recent_hit_tokens, evicted_blocks=s.evicted_blocks,
-            uptime_s=s.uptime_s, epoch=self.service.pool.epoch,
-            namespaces=[pb.NamespaceStats(
-                namespace=n.namespace, cached_blocks=n.cached_blocks,
-                cached_tokens=n.cached_blocks * bs, nodes=n.nodes, requests=n.requests,
-                query_tokens=n.query_tokens, hit_tokens=n.hit_tokens,
-                evicted_blocks=n.evicted_blocks) for n in s.namespaces])
+            **counters, integrity=integrity, backend=self.service.pool.backend,
+            layout=layout_pb(self.service.pool.layout), epoch=self.service.pool.epoch,
+            namespaces=[pb.NamespaceStats(**dataclasses.asdict(n),
+                                          cached_tokens=n.cached_blocks * bs)
+                        for n in s.namespaces])
 
     @rpc
     def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
