@@ -17,13 +17,14 @@ each back-to-back pair, and of the radixkv overhead (all but the forward).
 Targets: ratio <= 0.55 at 50 % shared, <= 0.2 at 90 %.
 
 Why the ratio is not simply the uncached fraction: the linear layers scale with the computed
-tokens, attention does not. PyTorch's CPU sdpa has no bottom-right causal kernel, so a suffix of
-q tokens over n cached + new keys runs with an explicit mask and costs q x n, while the full
-causal prefill costs about n^2 / 2: at 50 % shared the suffix's attention costs as much as the
-full prefill's. The "bench" model has Llama-3-8B's MLP width, so attention is ~6 % of its
-prefill at 2,000 tokens (as in the real model) and the floor at 50 % is ~0.5 x 0.94 + 0.06 =
-0.53; GEMMs of 1,000 rows also run a little less efficiently on CPU than of 2,000. `--attn eager`
-computes the full n^2 in both paths (ratio ~ uncached fraction, 2-3x slower in absolute terms).
+tokens, attention does not. A suffix of q tokens over p cached ones costs q x p + q^2 / 2 scores
+against (p + q)^2 / 2 for the full prefill: at 50 % shared, 0.75 of the full prefill's attention.
+The "bench" model has Llama-3-8B's MLP width, so attention is ~6 % of its prefill at 2,000 tokens
+(as in the real model) and the floor at 50 % is ~0.5 x 0.94 + 0.75 x 0.06 = 0.515; GEMMs of 1,000
+rows also run a little less efficiently on CPU than of 2,000. The engine's model uses
+`attn_implementation="radixkv"` (radixkv/engines/attention.py: prefix and causal suffix apart,
+merged by log-sum-exp); `--attn sdpa` is transformers' sdpa, whose masked suffix kernel pays for
+all q x (p + q) scores; `--attn eager` computes the full n^2 in both paths.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5, help="timed pairs per share (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="bench", help="tiny_llama config: test, demo, bench")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+    p.add_argument("--attn", default="radixkv", choices=["radixkv", "sdpa", "eager"],
                    help="attention implementation of the model (both paths)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=1024)

@@ -1,8 +1,9 @@
 """The Hugging Face engine adapter against a real `radixkv serve` subprocess: a random-weight
-Llama (GQA, RoPE; fp32, sdpa) reuses prompt KV and its outputs stay those of a full recompute.
+Llama (GQA, RoPE; fp32, attn_implementation "radixkv") reuses prompt KV and its outputs stay those
+of a full recompute, and those of the same weights under transformers' own sdpa attention.
 
 Tolerance: logits within atol 1e-4 (rtol 0) of the no-cache run; measured differences are 0 to
-6e-8 on CPU. Greedy tokens must be identical.
+2e-7 on CPU. Greedy tokens must be identical.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def model() -> Any:
 
 
 @pytest.fixture(scope="module")
+def reference_model() -> Any:
+    """The same weights under transformers' sdpa: the reference for our attention."""
+    return tiny_llama.build_model("test", seed=0, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     with serve_test_model(num_blocks=256) as srv:
         yield srv
@@ -78,7 +85,8 @@ def assert_same_as_recompute(engine: Engine, tokens: list[int], got: PrefillResu
 @pytest.mark.parametrize("shared, expected_cached", [
     (0, 0), (3, 0), (16, 16), (33, 32), (60, 60),
 ])
-def test_reused_kv_gives_the_logits_of_a_full_recompute(engine: Engine, shared: int,
+def test_reused_kv_gives_the_logits_of_a_full_recompute(engine: Engine, reference_model: Any,
+                                                        shared: int,
                                                         expected_cached: int) -> None:
     prefix = make_tokens(shared, seed=1)
     engine.prefill(prefix + make_tokens(61 - shared, seed=2))  # puts the prefix in the cache
@@ -86,6 +94,9 @@ def test_reused_kv_gives_the_logits_of_a_full_recompute(engine: Engine, shared: 
     got = engine.prefill(prompt)
     assert got.cached_tokens == expected_cached
     assert_same_as_recompute(engine, prompt, got)
+    with torch.inference_mode():
+        reference = reference_model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(got.logits_last, reference, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("length, expected_cached", [(48, 47), (50, 48)])
@@ -98,9 +109,10 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(engine: Engine, len
     assert_same_as_recompute(engine, prompt, again)
 
 
-def test_greedy_generation_is_token_for_token_identical(engine: Engine, model: Any) -> None:
+def test_greedy_generation_is_token_for_token_identical(engine: Engine,
+                                                       reference_model: Any) -> None:
     prompt = make_tokens(41, seed=5)
-    reference = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+    reference = reference_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert engine.generate(prompt, 12, use_radixkv=False) == reference  # our decode loop = HF's
     assert engine.generate(prompt, 12) == reference  # cold: fills the cache
