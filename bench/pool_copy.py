@@ -6,6 +6,12 @@ Block sizes 16 KiB .. 4 MiB come from block_size tokens x a small layout (2 laye
 head_dim 128, fp16: 8 KiB per token). Timings are the best of --repeat rounds, each round
 running floor, gather and scatter back to back (so noise from other processes hits them alike).
 
+Rounds repeat the same bytes, so a call of 16-32 MiB runs partly L3-hot (floor and copies
+alike). `--cold` writes a 256 MiB buffer before every timed copy, so each starts from memory, as
+an engine's copy of KV it has not touched lately does; random 16 KiB rows then cost gather and
+scatter alike ~20 % against a sequential floor at 64 KiB blocks (DRAM locality), and nothing
+from 256 KiB up.
+
     .venv/bin/python bench/pool_copy.py --device cpu --blocks 256 --repeat 15
 """
 
@@ -26,6 +32,7 @@ from radixkv.layout import KVLayout
 
 BLOCK_SIZES = [2, 8, 32, 128, 512]  # tokens: 16 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB blocks
 POOL_CAP = 1 << 30  # the pool holds up to 4 N blocks, at most 1 GiB
+SCRATCH_BYTES = 256 << 20  # written before each timed copy: larger than any L3 / GPU L2
 
 
 def make_layout(block_size: int) -> KVLayout:
@@ -53,7 +60,8 @@ def timer(device: str) -> Callable[[Callable[[], object]], float]:
 
 
 def bench_size(
-    device: str, block_size: int, n: int, repeat: int, rng: random.Random
+    device: str, block_size: int, n: int, repeat: int, rng: random.Random,
+    flush: Callable[[], object],
 ) -> dict[str, Any]:
     layout = make_layout(block_size)
     bpb = layout.bytes_per_block
@@ -83,6 +91,7 @@ def bench_size(
         best = {name: float("inf") for name in ops}
         for _ in range(repeat):
             for name, fn in ops.items():
+                flush()
                 best[name] = min(best[name], timed(fn))
         # correctness while we are here: what was scattered is what was gathered
         k2, v2 = gather(view, ids, check=check)
@@ -110,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds (best is kept)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--cold", action="store_true",
+                        help="flush caches before every timed copy (write a 256 MiB buffer)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     if args.threads:
@@ -119,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    rows = [bench_size(args.device, bs, args.blocks, args.repeat, rng) for bs in BLOCK_SIZES]
+    scratch = torch.empty(SCRATCH_BYTES if args.cold else 0, dtype=torch.uint8,
+                          device=args.device)
+    flush = scratch.zero_ if args.cold else (lambda: None)
+    rows = [bench_size(args.device, bs, args.blocks, args.repeat, rng, flush)
+            for bs in BLOCK_SIZES]
     big = [r for r in rows if r["block_bytes"] >= 64 << 10]
     worst = min(min(r["gather_ratio"], r["scatter_ratio"]) for r in big)
     result = {
@@ -128,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocks": args.blocks,
         "repeat": args.repeat,
         "seed": args.seed,
+        "caches": "flushed" if args.cold else "warm",
         "rows": rows,
         "worst_ratio_ge_64k": worst,
     }
@@ -135,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"device {args.device}, {torch.get_num_threads()} torch threads, {args.blocks} random "
-          f"blocks per call, best of {args.repeat}")
+          f"blocks per call, best of {args.repeat}, caches {result['caches']}")
     print(f"{'block':>8} {'floor in':>9} {'gather':>9} {'ratio':>6} {'floor out':>9} "
           f"{'scatter':>9} {'ratio':>6}   (GB/s)")
     for r in rows:

@@ -126,6 +126,20 @@ def test_out_tensors_and_tensor_ids(gen: torch.Generator) -> None:
     scatter(view, [], empty_k, empty_k, layer=1)
 
 
+def test_nan_payloads_in_the_16_byte_words_move_unchanged() -> None:
+    """Rows move as complex128 words: signalling / quiet NaN doubles with payloads, infinities
+    and negative zero must come through bit for bit (they are moved, never computed on)."""
+    patterns = torch.tensor([0x7FF0000000000001, 0x7FF4000000000000, -0x0008000000000001,
+                             0x7FF8DEADBEEF0001, 0x7FF0000000000000, -0x8000000000000000],
+                            dtype=torch.int64)
+    view = torch.zeros(4, 1, 2, 2, 2, 6, dtype=torch.float32)  # rows of 96 bytes: 16-byte words
+    k = patterns.repeat(4).view(torch.float32).view(1, 4, 2, 6)
+    v = patterns.flip(0).repeat(4).view(torch.float32).view(1, 4, 2, 6)
+    scatter(view, [3, 1], k, v)
+    back_k, back_v = gather(view, [3, 1])
+    assert same_bits(back_k, k) and same_bits(back_v, v)
+
+
 def test_split_keeps_rows_under_the_grain() -> None:
     assert _split(1024) == 1
     assert _split(32768) == 2  # 256 KiB of int64
