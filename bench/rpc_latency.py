@@ -4,7 +4,10 @@
     python bench/rpc_latency.py --json
 
 Starts `radixkv serve` (Unix socket + TCP on 127.0.0.1) and an echo server (same grpcio, same
-thread-pool server, a handler that does nothing but reply) in subprocesses. For each transport:
+thread-pool server, a handler that does nothing but reply) in subprocesses, and a "stub floor":
+the generated RadixKV stubs with a Match that returns a constant MatchResponse, called through
+the same typed client as radixkv, which shows what protobuf stubs and the client cost before
+any cache work (8-client throughput only). For each transport:
 Match p50/p99 unbatched, Allocate+Insert p50/p99, batched Match (--batch queries a call), and
 1 vs N client processes. The echo floor carries the same request bytes and replies with as many
 bytes as Match's reply, so the ratio isolates what the service itself costs. Cases that are
@@ -54,6 +57,34 @@ def serve_echo(unix: str, tcp_port: int, reply_bytes: int) -> None:
     server.add_insecure_port(f"127.0.0.1:{tcp_port}")
     server.start()
     print("echo ready", flush=True)
+    signal.sigwait([signal.SIGTERM])
+    server.stop(0)
+
+
+def serve_stub_floor(unix: str, tcp_port: int, reply: bytes) -> None:
+    """The generated service with a Match that does no work: a constant reply (and a Release
+    the bench's clients call at the end)."""
+    import grpc
+
+    from radixkv.v1 import radixkv_pb2 as pb
+    from radixkv.v1 import radixkv_pb2_grpc
+
+    response = pb.MatchResponse.FromString(reply)
+
+    class Constant(radixkv_pb2_grpc.RadixKVServicer):
+        def Match(self, request, context):  # type: ignore[no-untyped-def]
+            return response
+
+        def Release(self, request, context):  # type: ignore[no-untyped-def]
+            return pb.ReleaseResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=ECHO_WORKERS), options=[
+        ("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    radixkv_pb2_grpc.add_RadixKVServicer_to_server(Constant(), server)
+    server.add_insecure_port(f"unix://{unix}")
+    server.add_insecure_port(f"127.0.0.1:{tcp_port}")
+    server.start()
+    print("stub ready", flush=True)
     signal.sigwait([signal.SIGTERM])
     server.stop(0)
 
@@ -249,9 +280,15 @@ def main() -> int:
     p.add_argument("--echo-server", nargs=3, metavar=("UNIX", "PORT", "REPLY_BYTES"),
                    help=argparse.SUPPRESS)
     p.add_argument("--aio-server", nargs=2, metavar=("UNIX", "CONFIG"), help=argparse.SUPPRESS)
+    p.add_argument("--stub-server", nargs=3, metavar=("UNIX", "PORT", "REPLY_HEX"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.echo_server:
         serve_echo(args.echo_server[0], int(args.echo_server[1]), int(args.echo_server[2]))
+        return 0
+    if args.stub_server:
+        serve_stub_floor(args.stub_server[0], int(args.stub_server[1]),
+                         bytes.fromhex(args.stub_server[2]))
         return 0
     if args.aio_server:
         serve_aio_kv(args.aio_server[0], args.aio_server[1], args.block_size, 65536)
@@ -261,7 +298,8 @@ def main() -> int:
     cfg = os.path.join(tmp, "config.json")
     Path(cfg).write_text(json.dumps(TINY))
     sock, echo_sock = os.path.join(tmp, "kv.sock"), os.path.join(tmp, "echo.sock")
-    kv_port, echo_port = free_port(), free_port()
+    kv_port, echo_port, stub_port = free_port(), free_port(), free_port()
+    stub_sock = os.path.join(tmp, "stub.sock")
     procs = []
     results: dict[str, object] = {"prompt_tokens": args.prompt_tokens, "batch": args.batch,
                                   "clients": args.clients}
@@ -277,11 +315,13 @@ def main() -> int:
         m = populate(sock, prompts, args.block_size)
         payload = pb.MatchRequest(client_id="x" * 40, queries=[
             pb.MatchQuery(namespace="bench", tokens=prompts[0])]).SerializeToString()
-        reply = pb.MatchResponse(results=[pb.MatchResult(
-            lease_id=2**62, num_tokens=m.num_tokens,
-            block_ids=to_token_bytes(m.block_ids))]).ByteSize()
+        constant = pb.MatchResponse(epoch="0" * 32, results=[pb.MatchResult(
+            lease_id=2**62, num_tokens=m.num_tokens, block_ids=to_token_bytes(m.block_ids))])
+        reply = constant.ByteSize()
         procs.append(start([sys.executable, __file__, "--echo-server", echo_sock,
                             str(echo_port), str(reply)], "echo ready"))
+        procs.append(start([sys.executable, __file__, "--stub-server", stub_sock,
+                            str(stub_port), constant.SerializeToString().hex()], "stub ready"))
 
         aio_sock = os.path.join(tmp, "aio.sock")
         procs.append(start([sys.executable, __file__, "--aio-server", aio_sock, cfg,
@@ -298,22 +338,27 @@ def main() -> int:
         for transport in args.transports.split(","):
             kv_t = f"unix://{sock}" if transport == "unix" else f"127.0.0.1:{kv_port}"
             echo_t = f"unix://{echo_sock}" if transport == "unix" else f"127.0.0.1:{echo_port}"
+            stub_t = f"unix://{stub_sock}" if transport == "unix" else f"127.0.0.1:{stub_port}"
             r: dict[str, object] = {}
             s, k = args.seconds, args.rounds
             one = run_rounds(1, {"echo": (run_echo, (echo_t, payload)),
                                  "match": (run_match, (kv_t, prompts, 1)),
                                  "batched": (run_match, (kv_t, prompts, args.batch))}, s, k)
             many = run_rounds(args.clients, {"echo": (run_echo, (echo_t, payload)),
+                                             "stub": (run_match, (stub_t, prompts, 1)),
                                              "match": (run_match, (kv_t, prompts, 1))}, s, k)
             r["echo_1"], r["match_1"] = median_of(one["echo"]), median_of(one["match"])
             r["match_batched_1"] = median_of(one["batched"])
             r["echo_n"], r["match_n"] = median_of(many["echo"]), median_of(many["match"])
+            r["stub_n"] = median_of(many["stub"])
             r["allocate_insert"] = allocate_insert(kv_t, args.prompt_tokens, args.block_size,
                                                    200)
             r["ratios"] = {
                 "match_p50_over_echo_p50": median_ratio(one["match"], one["echo"], "p50_us"),
                 "match_n_over_echo_n_throughput":
                     median_ratio(many["match"], many["echo"], "calls_per_s"),
+                "stub_n_over_echo_n_throughput":
+                    median_ratio(many["stub"], many["echo"], "calls_per_s"),
                 "batched_over_unbatched_requests_per_s":
                     median_ratio(one["batched"], one["match"], "requests_per_s"),
             }
@@ -328,7 +373,9 @@ def main() -> int:
                 print(f"[{transport}] {args.clients} clients: Match "
                       f"{r['match_n']['calls_per_s']:.0f} calls/s vs echo "
                       f"{r['echo_n']['calls_per_s']:.0f} calls/s | ratio "
-                      f"{ratios['match_n_over_echo_n_throughput']:.2f}")
+                      f"{ratios['match_n_over_echo_n_throughput']:.2f} (stub floor "
+                      f"{r['stub_n']['calls_per_s']:.0f} calls/s = "
+                      f"{ratios['stub_n_over_echo_n_throughput']:.2f} of echo)")
                 print(f"[{transport}] batched x{args.batch}: "
                       f"{r['match_batched_1']['requests_per_s']:.0f} req/s vs unbatched "
                       f"{r['match_1']['requests_per_s']:.0f} req/s | "
