@@ -3,7 +3,7 @@
     python bench/ttft.py --prompt-tokens 2000 --shares 0,25,50,75,90 --repeat 5
 
 Starts `radixkv serve` (host pool, the model's layout) on a temporary socket and one engine in
-this process: a random-weight Llama (radixkv.engines.tiny_llama, fp32, sdpa, CPU). For each share
+this process: a random-weight Llama (radixkv.engines.tiny_llama, fp32, CPU). For each share
 and repeat, with a fresh shared prefix:
 
     no cache      prefill(prefix + suffix B) without radixkv            -> TTFT

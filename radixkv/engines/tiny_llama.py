@@ -6,7 +6,7 @@ bit-identical weights and can share KV through radixkv.
     model = build_model("bench", seed=0)          # LlamaForCausalLM, fp32, eval mode
     path = write_config("/tmp/m", "bench")        # config.json for `radixkv serve --model-config`
 
-Sizes (2 cores, fp32, sdpa): "test" prefills 100 tokens in a few ms; "demo" 500 tokens in ~60 ms;
+Sizes (2 cores, fp32): "test" prefills 100 tokens in a few ms; "demo" 500 tokens in ~60 ms;
 "bench" 2,000 tokens in ~0.7 s.
 """
 
