@@ -1,7 +1,10 @@
 """radixkv's attention for a suffix on cached KV (radixkv.engines.attention) against PyTorch's
-sdpa with the explicit bottom-right causal mask. fp32; atol 1e-5 (measured: up to 3e-7)."""
+sdpa with the explicit bottom-right causal mask, and inside a model. fp32: atol 1e-5 (measured:
+up to 3e-7); bf16 / fp16 keep their dtype and stay within their precision of the fp32 answer."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 
@@ -33,6 +36,16 @@ def test_matches_sdpa_with_the_bottom_right_mask(heads: int, kv_heads: int, q_le
     torch.testing.assert_close(got, reference(q, k, v), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_half_precision_keeps_its_dtype(dtype: torch.dtype, atol: float) -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 20, 32, generator=gen)
+    k, v = (torch.randn(1, 2, 50, 32, generator=gen) for _ in range(2))
+    got = prefix_attention(q.to(dtype), k.to(dtype), v.to(dtype))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference(q, k, v), atol=atol, rtol=0)
+
+
 def test_scale_is_applied_to_both_parts() -> None:
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (10, 30, 30))
@@ -50,3 +63,27 @@ def test_refuses_what_it_cannot_compute() -> None:
         attention_forward(module, q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="dropout"):
         attention_forward(module, q, q, q, None, dropout=0.1)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_a_model_continues_cached_kv_as_it_computes_it_whole(dtype: torch.dtype,
+                                                              atol: float) -> None:
+    """A Llama with attn_implementation="radixkv": prefix, then the suffix on its KV, gives the
+    last logits of one forward over everything (and of transformers' sdpa on the same weights)."""
+    from transformers import DynamicCache
+
+    from radixkv.engines import tiny_llama
+
+    ours = tiny_llama.build_model("test", seed=0).to(dtype)
+    sdpa = tiny_llama.build_model("test", seed=0, attn_implementation="sdpa").to(dtype)
+    ids = torch.randint(0, 512, (1, 45), generator=torch.Generator().manual_seed(5))
+    params = inspect.signature(ours.forward).parameters
+    kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
+    with torch.inference_mode():
+        whole = ours(ids).logits[0, -1].float()
+        cache = DynamicCache(config=ours.config)
+        ours(ids[:, :32], use_cache=True, **{kw: cache})
+        rest = ours(ids[:, 32:], use_cache=True, **{kw: cache}).logits[0, -1].float()
+        reference = sdpa(ids).logits[0, -1].float()
+    torch.testing.assert_close(rest, whole, atol=atol, rtol=0)
+    torch.testing.assert_close(rest, reference, atol=atol, rtol=0)

@@ -62,9 +62,9 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         out1, lse1 = flash(query, key[:, :, :prefix], value[:, :, :prefix], scale=scale)
         out2, lse2 = flash(query, key[:, :, prefix:], value[:, :, prefix:], is_causal=True,
                            scale=scale)
-        top = torch.maximum(lse1, lse2)
+        top = torch.maximum(lse1, lse2)  # lse is fp32 whatever the inputs: merge in fp32
         w1, w2 = (lse1 - top).exp_().unsqueeze(-1), (lse2 - top).exp_().unsqueeze(-1)
-        out = (out1 * w1 + out2 * w2).div_(w1 + w2)
+        out = (out1 * w1 + out2 * w2).div_(w1 + w2).to(query.dtype)
     return out
 
 
