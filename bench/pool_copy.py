@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    scratch = torch.empty(SCRATCH_BYTES if args.cold else 0, dtype=torch.uint8,
-                          device=args.device)
-    flush = scratch.zero_ if args.cold else (lambda: None)
+    flush: Callable[[], object] = (
+        torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=args.device).zero_ if args.cold
+        else (lambda: None))
     rows = [bench_size(args.device, bs, args.blocks, args.repeat, rng, flush)
             for bs in BLOCK_SIZES]
     big = [r for r in rows if r["block_bytes"] >= 64 << 10]

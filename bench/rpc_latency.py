@@ -44,28 +44,35 @@ ECHO_WORKERS = 2  # as many call threads as `radixkv serve` runs by default (a f
 
 # ---- the echo floor ------------------------------------------------------------------------
 
+def serve_floor(name: str, register, unix: str, tcp_port: int) -> None:  # type: ignore[no-untyped-def]
+    """A floor server: `register(server)` adds its handlers; the same thread pool as the
+    service's call threads, on the Unix socket and TCP; runs until SIGTERM."""
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=ECHO_WORKERS), options=[
+        ("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    register(server)
+    server.add_insecure_port(f"unix://{unix}")
+    server.add_insecure_port(f"127.0.0.1:{tcp_port}")
+    server.start()
+    print(f"{name} ready", flush=True)
+    signal.sigwait([signal.SIGTERM])
+    server.stop(0)
+
+
 def serve_echo(unix: str, tcp_port: int, reply_bytes: int) -> None:
     import grpc
 
     reply = b"\0" * reply_bytes
     handler = grpc.method_handlers_generic_handler("bench.Echo", {
         "Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: reply)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=ECHO_WORKERS), options=[
-        ("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(f"unix://{unix}")
-    server.add_insecure_port(f"127.0.0.1:{tcp_port}")
-    server.start()
-    print("echo ready", flush=True)
-    signal.sigwait([signal.SIGTERM])
-    server.stop(0)
+    serve_floor("echo", lambda server: server.add_generic_rpc_handlers((handler,)), unix,
+                tcp_port)
 
 
 def serve_stub_floor(unix: str, tcp_port: int, reply: bytes) -> None:
     """The generated service with a Match that does no work: a constant reply (and a Release
     the bench's clients call at the end)."""
-    import grpc
-
     from radixkv.v1 import radixkv_pb2 as pb
     from radixkv.v1 import radixkv_pb2_grpc
 
@@ -78,15 +85,8 @@ def serve_stub_floor(unix: str, tcp_port: int, reply: bytes) -> None:
         def Release(self, request, context):  # type: ignore[no-untyped-def]
             return pb.ReleaseResponse()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=ECHO_WORKERS), options=[
-        ("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
-    radixkv_pb2_grpc.add_RadixKVServicer_to_server(Constant(), server)
-    server.add_insecure_port(f"unix://{unix}")
-    server.add_insecure_port(f"127.0.0.1:{tcp_port}")
-    server.start()
-    print("stub ready", flush=True)
-    signal.sigwait([signal.SIGTERM])
-    server.stop(0)
+    serve_floor("stub", lambda server: radixkv_pb2_grpc.add_RadixKVServicer_to_server(
+        Constant(), server), unix, tcp_port)
 
 
 def serve_aio_kv(unix: str, config_path: str, block_size: int, num_blocks: int) -> None:

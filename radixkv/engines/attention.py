@@ -15,7 +15,8 @@ full prefill (q = p + q) and decoding (q = 1) go straight to sdpa. Batch 1 witho
 the engine runs: no attention mask is built or read (transformers skips mask creation for an
 implementation it does not know). Other devices use sdpa with a bottom-right mask.
 
-    import radixkv.engines.attention  # registers the name
+    from radixkv.engines import attention
+    attention.register()  # once per process, before the model is built
     model = LlamaForCausalLM.from_pretrained(..., attn_implementation="radixkv")
 """
 
@@ -87,6 +88,3 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, attention_forward)
-
-
-register()
