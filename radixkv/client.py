@@ -218,8 +218,10 @@ class Client:
 
     def match_many(self, queries: Sequence[tuple[str, Any]]) -> list[LeaseMatch]:
         """One call for several prompts; each result holds its own lease."""
-        req = pb.MatchRequest(client_id=self.client_id, queries=[
-            pb.MatchQuery(namespace=ns, tokens=to_token_bytes(t)) for ns, t in queries])
+        req = pb.MatchRequest(client_id=self.client_id)
+        add = req.queries.add  # ~1 us less per query than building a list (upb)
+        for ns, t in queries:
+            add(namespace=ns, tokens=to_token_bytes(t))
         resp = self._call("Match", req)
         self._note_epoch(resp.epoch)
         return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids))

@@ -21,7 +21,7 @@ from radixkv.errors import ALL_ERRORS, InvalidArgument, RadixKVError
 from radixkv.events import KVEvent
 from radixkv.layout import KVLayout
 from radixkv.service import KVService
-from radixkv.tokens import ids_from_bytes, to_token_bytes
+from radixkv.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 
@@ -69,16 +69,17 @@ def rpc(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
-        start = time.perf_counter()
-        code = "OK"
+        observer = self.observer
+        start = time.perf_counter() if observer is not None else 0.0
         try:
-            return method(self, request, context)
+            response = method(self, request, context)
         except Exception as e:  # a project error, or a bug: say so, keep serving
-            code = status_of(e)
+            if observer is not None:
+                observer.observe_rpc(name, time.perf_counter() - start, status_of(e))
             _abort(context, name, e)
-        finally:
-            if self.observer is not None:
-                self.observer.observe_rpc(name, time.perf_counter() - start, code)
+        if observer is not None:
+            observer.observe_rpc(name, time.perf_counter() - start, "OK")
+        return response
 
     return wrapper  # type: ignore[return-value]
 
@@ -137,17 +138,18 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             raise InvalidArgument("Match needs at least one query")
         outcomes = self.service.match_many(
             _owner(request.client_id), [(q.namespace, q.tokens) for q in request.queries])
-        return pb.MatchResponse(epoch=self.service.pool.epoch, results=[
-            pb.MatchResult(lease_id=o.lease_id, num_tokens=o.num_tokens,
-                           block_ids=to_token_bytes(o.block_ids))
-            for o in outcomes])
+        response = pb.MatchResponse(epoch=self.service.pool.epoch)
+        add = response.results.add  # ~1.5 us less per result than building a list (upb)
+        for o in outcomes:
+            add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids))
+        return response
 
     @rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
                                   request.namespace, request.num_blocks)
         return pb.AllocateResponse(epoch=self.service.pool.epoch, lease_id=o.lease_id,
-                                   block_ids=to_token_bytes(o.block_ids),
+                                   block_ids=ids_to_bytes(o.block_ids),
                                    num_evicted=o.num_evicted)
 
     @rpc
@@ -159,8 +161,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         for item in request.items:
             o = self.service.insert(owner, item.lease_id, item.namespace, item.tokens,
                                     ids_from_bytes(item.block_ids))
-            results.append(pb.InsertResult(adopted=to_token_bytes(o.adopted),
-                                           duplicates=to_token_bytes(o.duplicates),
+            results.append(pb.InsertResult(adopted=ids_to_bytes(o.adopted),
+                                           duplicates=ids_to_bytes(o.duplicates),
                                            num_cached_tokens=o.num_cached_tokens))
         return pb.InsertResponse(results=results)
 

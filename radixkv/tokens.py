@@ -7,6 +7,7 @@ ints) are checked and converted; `bytes` pass through untouched, so hot paths pa
 from __future__ import annotations
 
 import array
+import struct
 import sys
 from collections.abc import Sequence
 from typing import Any, TypeAlias
@@ -80,8 +81,14 @@ def ids_from_bytes(data: bytes) -> tuple[int, ...]:
     """Ids (block ids on the wire) from little-endian uint32 bytes, as a tuple of ints."""
     if len(data) % 4:
         raise InvalidArgument(f"id bytes must be a multiple of 4 long, got {len(data)}")
-    packed = array.array("I", data)
+    return struct.unpack(f"<{len(data) // 4}I", data)  # half the time of tuple(array(...))
+
+
+def ids_to_bytes(ids: Sequence[int]) -> bytes:
+    """Block ids the service itself holds (known to fit uint32) as little-endian uint32 bytes:
+    `to_token_bytes` without its checks, for the reply path."""
+    packed = array.array("I", ids)
     if sys.byteorder == "big":
         packed.byteswap()
-    return tuple(packed)
+    return packed.tobytes()
 

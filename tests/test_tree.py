@@ -7,7 +7,7 @@ import pytest
 
 from radixkv.errors import InvalidArgument
 from radixkv.eviction import POLICIES, LFUPolicy, make_policy
-from radixkv.tokens import from_token_bytes, to_token_bytes
+from radixkv.tokens import from_token_bytes, ids_from_bytes, ids_to_bytes, to_token_bytes
 from radixkv.tree import BlockRemoved, BlockStored, InsertResult, RadixTree
 
 BS = 4
@@ -282,6 +282,16 @@ def test_token_bytes_round_trip_is_little_endian():
     assert data == b"\x01\x00\x00\x00\xff\xff\xff\xff"
     assert from_token_bytes(data).tolist() == [1, 2**32 - 1]
     assert to_token_bytes(data) is data
+
+
+def test_block_id_bytes_round_trip():
+    ids = (0, 1, 70_000, 2**32 - 1)
+    data = ids_to_bytes(ids)
+    assert data == to_token_bytes(ids) and len(data) == 16
+    assert ids_from_bytes(data) == ids
+    assert ids_from_bytes(b"") == () == ids_from_bytes(ids_to_bytes([]))
+    with pytest.raises(InvalidArgument, match="got 6"):
+        ids_from_bytes(data[:6])
 
 
 def test_bad_arguments():
