@@ -1,6 +1,6 @@
 """RPC latency and throughput of the real service against a gRPC echo floor.
 
-    python bench/rpc_latency.py                    # ~2 minutes on 2 cores
+    python bench/rpc_latency.py                    # ~4 minutes on 2 cores
     python bench/rpc_latency.py --json
 
 Starts `radixkv serve` (Unix socket + TCP on 127.0.0.1) and an echo server (same grpcio, same
@@ -159,16 +159,17 @@ def run_match(target: str, prompts: list[bytes], batch: int, seconds: float,
     kv = Client(target)
     kv.wait_ready()
     lat, leases = [], []
+    n = len(prompts)  # the query lists are made before timing, as the echo's payload is
+    batches = [[("bench", prompts[(k + j) % n]) for j in range(batch)] for k in range(n)]
     while time.time() < barrier_at:
         time.sleep(0.001)
     deadline = time.perf_counter() + seconds
     i = 0
     while time.perf_counter() < deadline:
-        queries = [("bench", prompts[(i + j) % len(prompts)]) for j in range(batch)]
         t0 = time.perf_counter()
-        results = kv.match_many(queries)
+        results = kv.match_many(batches[i % n])
         lat.append(time.perf_counter() - t0)
-        leases.extend(r.lease_id for r in results)
+        leases += [r.lease_id for r in results]
         i += batch
     for k in range(0, len(leases), 1000):
         kv.release(*leases[k:k + 1000])
@@ -204,13 +205,20 @@ def summarize(results: list[dict[str, object]], seconds: float) -> dict[str, flo
 
 def run_rounds(n: int, cases: dict[str, tuple], seconds: float,  # type: ignore[type-arg]
                rounds: int) -> dict[str, list[dict[str, float]]]:
-    """Each case (fn, args) on `n` client processes, interleaved over `rounds` rounds, so that
-    a machine that speeds up or slows down during the run affects every case alike. A first,
-    untimed round warms the processes (imports, channels)."""
+    """Each case (fn, [args per server replica]) on `n` client processes, interleaved over
+    `rounds` rounds, so that a machine that speeds up or slows down during the run affects
+    every case alike. Round r uses replica r mod replicas, and starts one case later in the list
+    than round r-1: both a server process's luck and a case's place in the round bias it
+    (measured: identical servers spread 0.68-0.73 of the echo in a fixed order, 0.74-0.77
+    rotated, and still 0.77 vs 0.81 as two processes). A first, untimed round warms the
+    client processes (imports)."""
     out: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
+    names = list(cases)
     with mp.get_context("spawn").Pool(n) as pool:
         for r in range(rounds + 1):
-            for name, (fn, args) in cases.items():
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                fn, replicas = cases[name]
+                args = replicas[r % len(replicas)]
                 barrier_at = time.time() + 1.0  # the processes start timing together
                 results = pool.starmap(fn, [(*args, seconds, barrier_at)] * n)
                 if r:
@@ -222,9 +230,13 @@ def median_of(rows: list[dict[str, float]]) -> dict[str, float]:
     return {key: float(np.median([row[key] for row in rows])) for key in rows[0]}
 
 
+def round_ratios(a: list[dict[str, float]], b: list[dict[str, float]], key: str) -> list[float]:
+    """a[key] / b[key] for each round (each round's pair ran back to back)."""
+    return [x[key] / y[key] for x, y in zip(a, b, strict=True)]
+
+
 def median_ratio(a: list[dict[str, float]], b: list[dict[str, float]], key: str) -> float:
-    """Median over rounds of a[key] / b[key] (each round's pair ran back to back)."""
-    return float(np.median([x[key] / y[key] for x, y in zip(a, b, strict=True)]))
+    return float(np.median(round_ratios(a, b, key)))
 
 
 def populate(target: str, prompts: list[bytes], block_size: int):  # type: ignore[no-untyped-def]
@@ -270,8 +282,10 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seconds", type=float, default=1.0, help="per case and round (1)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="interleaved rounds; ratios are medians over them (5)")
+    p.add_argument("--rounds", type=int, default=6,
+                   help="interleaved rounds; ratios are medians over them (6)")
+    p.add_argument("--replicas", type=int, default=3,
+                   help="server processes of each kind; rounds take turns on them (3)")
     p.add_argument("--clients", type=int, default=8, help="client processes for throughput (8)")
     p.add_argument("--batch", type=int, default=32, help="queries per batched Match (32)")
     p.add_argument("--transports", default="unix,tcp")
@@ -297,62 +311,72 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="rkvb-")
     cfg = os.path.join(tmp, "config.json")
     Path(cfg).write_text(json.dumps(TINY))
-    sock, echo_sock = os.path.join(tmp, "kv.sock"), os.path.join(tmp, "echo.sock")
-    kv_port, echo_port, stub_port = free_port(), free_port(), free_port()
-    stub_sock = os.path.join(tmp, "stub.sock")
     procs = []
     results: dict[str, object] = {"prompt_tokens": args.prompt_tokens, "batch": args.batch,
-                                  "clients": args.clients}
+                                  "clients": args.clients, "replicas": args.replicas}
+
+    def launch(kind: str, i: int, argv: list[str], ready: str) -> tuple[str, int]:
+        """Start one server listening on tmp/KIND-I.sock and a TCP port; (socket, port)."""
+        sock, port = os.path.join(tmp, f"{kind}-{i}.sock"), free_port()
+        procs.append(start([sys.executable, *argv[:1], *(a.format(sock=sock, port=port)
+                                                         for a in argv[1:])], ready))
+        return sock, port
+
     try:
-        procs.append(start([sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
-                            "--tcp", f"127.0.0.1:{kv_port}", "--model-config", cfg,
-                            "--block-size", str(args.block_size), "--num-blocks", "65536",
-                            "--lease-ttl", "600", "--log-level", "warning"], "radixkv serving"))
+        kv_servers = [launch("kv", i, [
+            "-m", "radixkv.cli", "serve", "--socket", "{sock}", "--tcp", "127.0.0.1:{port}",
+            "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
+            "65536", "--lease-ttl", "600", "--log-level", "warning"], "radixkv serving")
+            for i in range(args.replicas)]
         from radixkv.tokens import to_token_bytes
         from radixkv.v1 import radixkv_pb2 as pb
 
         prompts = [prompt(args.seed * 1000 + i, args.prompt_tokens) for i in range(64)]
-        m = populate(sock, prompts, args.block_size)
+        m = [populate(sock, prompts, args.block_size) for sock, _ in kv_servers][0]
         payload = pb.MatchRequest(client_id="x" * 40, queries=[
             pb.MatchQuery(namespace="bench", tokens=prompts[0])]).SerializeToString()
         constant = pb.MatchResponse(epoch="0" * 32, results=[pb.MatchResult(
             lease_id=2**62, num_tokens=m.num_tokens, block_ids=to_token_bytes(m.block_ids))])
-        reply = constant.ByteSize()
-        procs.append(start([sys.executable, __file__, "--echo-server", echo_sock,
-                            str(echo_port), str(reply)], "echo ready"))
-        procs.append(start([sys.executable, __file__, "--stub-server", stub_sock,
-                            str(stub_port), constant.SerializeToString().hex()], "stub ready"))
+        echo_servers = [launch("echo", i, [__file__, "--echo-server", "{sock}", "{port}",
+                                           str(constant.ByteSize())], "echo ready")
+                        for i in range(args.replicas)]
+        stub_servers = [launch("stub", i, [__file__, "--stub-server", "{sock}", "{port}",
+                                           constant.SerializeToString().hex()], "stub ready")
+                        for i in range(args.replicas)]
 
         aio_sock = os.path.join(tmp, "aio.sock")
         procs.append(start([sys.executable, __file__, "--aio-server", aio_sock, cfg,
                             "--block-size", str(args.block_size)], "radixkv aio ready"))
         populate(aio_sock, prompts, args.block_size)
-        aio_t = f"unix://{aio_sock}"
-        aio = {"match_1": median_of(run_rounds(1, {"m": (run_match, (aio_t, prompts, 1))},
-                                               args.seconds, args.rounds)["m"]),
-               "match_n": median_of(run_rounds(args.clients,
-                                               {"m": (run_match, (aio_t, prompts, 1))},
-                                               args.seconds, args.rounds)["m"])}
+        aio_m = {"m": (run_match, [(f"unix://{aio_sock}", prompts, 1)])}
+        aio = {"match_1": median_of(run_rounds(1, aio_m, args.seconds, args.rounds)["m"]),
+               "match_n": median_of(run_rounds(args.clients, aio_m, args.seconds,
+                                               args.rounds)["m"])}
         results["aio_unix"] = aio
 
         for transport in args.transports.split(","):
-            kv_t = f"unix://{sock}" if transport == "unix" else f"127.0.0.1:{kv_port}"
-            echo_t = f"unix://{echo_sock}" if transport == "unix" else f"127.0.0.1:{echo_port}"
-            stub_t = f"unix://{stub_sock}" if transport == "unix" else f"127.0.0.1:{stub_port}"
+            def targets(servers: list[tuple[str, int]], transport: str = transport) -> list[str]:
+                return [f"unix://{sock}" if transport == "unix" else f"127.0.0.1:{port}"
+                        for sock, port in servers]
+
+            kv_ts, echo_ts, stub_ts = (targets(kv_servers), targets(echo_servers),
+                                       targets(stub_servers))
             r: dict[str, object] = {}
             s, k = args.seconds, args.rounds
-            one = run_rounds(1, {"echo": (run_echo, (echo_t, payload)),
-                                 "match": (run_match, (kv_t, prompts, 1)),
-                                 "batched": (run_match, (kv_t, prompts, args.batch))}, s, k)
-            many = run_rounds(args.clients, {"echo": (run_echo, (echo_t, payload)),
-                                             "stub": (run_match, (stub_t, prompts, 1)),
-                                             "match": (run_match, (kv_t, prompts, 1))}, s, k)
+            echo = (run_echo, [(t, payload) for t in echo_ts])
+            match = (run_match, [(t, prompts, 1) for t in kv_ts])
+            one = run_rounds(1, {"echo": echo, "match": match, "batched": (
+                run_match, [(t, prompts, args.batch) for t in kv_ts])}, s, k)
+            many = run_rounds(args.clients, {"echo": echo, "match": match, "stub": (
+                run_match, [(t, prompts, 1) for t in stub_ts])}, s, k)
             r["echo_1"], r["match_1"] = median_of(one["echo"]), median_of(one["match"])
             r["match_batched_1"] = median_of(one["batched"])
             r["echo_n"], r["match_n"] = median_of(many["echo"]), median_of(many["match"])
             r["stub_n"] = median_of(many["stub"])
-            r["allocate_insert"] = allocate_insert(kv_t, args.prompt_tokens, args.block_size,
-                                                   200)
+            r["allocate_insert"] = allocate_insert(kv_ts[0], args.prompt_tokens,
+                                                   args.block_size, 200)
+            spread = round_ratios(many["match"], many["echo"], "calls_per_s")
+            r["match_n_over_echo_n_by_round"] = spread
             r["ratios"] = {
                 "match_p50_over_echo_p50": median_ratio(one["match"], one["echo"], "p50_us"),
                 "match_n_over_echo_n_throughput":
@@ -373,7 +397,8 @@ def main() -> int:
                 print(f"[{transport}] {args.clients} clients: Match "
                       f"{r['match_n']['calls_per_s']:.0f} calls/s vs echo "
                       f"{r['echo_n']['calls_per_s']:.0f} calls/s | ratio "
-                      f"{ratios['match_n_over_echo_n_throughput']:.2f} (stub floor "
+                      f"{ratios['match_n_over_echo_n_throughput']:.2f} (rounds "
+                      f"{min(spread):.2f}-{max(spread):.2f}; stub floor "
                       f"{r['stub_n']['calls_per_s']:.0f} calls/s = "
                       f"{ratios['stub_n_over_echo_n_throughput']:.2f} of echo)")
                 print(f"[{transport}] batched x{args.batch}: "
