@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -421,6 +422,7 @@ def main() -> int:
         for proc in procs:
             proc.terminate()
             proc.wait(20)
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

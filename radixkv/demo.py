@@ -26,21 +26,22 @@ from radixkv.config import default_socket_path
 def service_process(*flags: str, console: Console | None = None) -> Iterator[str]:
     """Run `radixkv serve` (default socket; a private temporary one if another server holds
     it) and yield its socket path; SIGTERM it at exit."""
-    sock = default_socket_path()
-    proc = _start(sock, flags)
-    if proc is None:
-        sock = os.path.join(tempfile.mkdtemp(prefix="radixkv-demo-"), "radixkv.sock")
-        if console:
-            console.print(f"[yellow]another server holds {default_socket_path()}; "
-                          f"using {sock}[/]")
+    with tempfile.TemporaryDirectory(prefix="radixkv-demo-") as private:
+        sock = default_socket_path()
         proc = _start(sock, flags)
         if proc is None:
-            raise RuntimeError("radixkv serve did not start")
-    try:
-        yield sock
-    finally:
-        proc.terminate()
-        proc.wait(30)
+            sock = os.path.join(private, "radixkv.sock")
+            if console:
+                console.print(f"[yellow]another server holds {default_socket_path()}; "
+                              f"using {sock}[/]")
+            proc = _start(sock, flags)
+            if proc is None:
+                raise RuntimeError("radixkv serve did not start")
+        try:
+            yield sock
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
 
 def _start(sock: str, flags: tuple[str, ...]) -> subprocess.Popen[str] | None:
@@ -137,15 +138,15 @@ def stage_engines(console: Console) -> dict[str, Any]:
     from radixkv.engines.demo import demo_serve_flags, run_engine_demo
 
     console.rule("[bold]6. Two engine processes reuse KV (a tiny random-weight Llama, CPU)")
-    directory = tempfile.mkdtemp(prefix="radixkv-demo-model-")
-    sock = os.path.join(directory, "radixkv.sock")  # one service per model: a second one
-    proc = _start(sock, tuple(demo_serve_flags(directory)))
-    assert proc is not None
-    try:
-        result = run_engine_demo(sock)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with tempfile.TemporaryDirectory(prefix="radixkv-demo-model-") as directory:
+        sock = os.path.join(directory, "radixkv.sock")  # one service per model: a second one
+        proc = _start(sock, tuple(demo_serve_flags(directory)))
+        assert proc is not None
+        try:
+            result = run_engine_demo(sock)
+        finally:
+            proc.terminate()
+            proc.wait(30)
     from rich.table import Table
 
     table = Table("request", "engine", "tokens", "reused", "TTFT", "no cache", "same output")

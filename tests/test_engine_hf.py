@@ -8,6 +8,7 @@ Tolerance: logits within atol 1e-4 (rtol 0) of the no-cache run; measured differ
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import tempfile
@@ -37,12 +38,14 @@ def make_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def serve_test_model(num_blocks: int) -> Any:
+@contextlib.contextmanager
+def serve_test_model(num_blocks: int) -> Iterator[Any]:
     """`running_server` with the test model's layout (its --model-config overrides the tiny one
     that running_server passes first: argparse keeps the last)."""
-    directory = tempfile.mkdtemp(prefix="rkv-hf-")
-    return running_server("--model-config", tiny_llama.write_config(directory, "test"),
-                          num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    with tempfile.TemporaryDirectory(prefix="rkv-hf-") as directory, running_server(
+            "--model-config", tiny_llama.write_config(directory, "test"),
+            num_blocks=num_blocks, block_size=BLOCK_SIZE) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
