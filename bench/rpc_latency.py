@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -316,16 +317,16 @@ def main() -> int:
     results: dict[str, object] = {"prompt_tokens": args.prompt_tokens, "batch": args.batch,
                                   "clients": args.clients, "replicas": args.replicas}
 
-    def launch(kind: str, i: int, argv: list[str], ready: str) -> tuple[str, int]:
-        """Start one server listening on tmp/KIND-I.sock and a TCP port; (socket, port)."""
+    def launch(kind: str, i: int, argv: Callable[[str, int], list[str]],
+               ready: str) -> tuple[str, int]:
+        """Start `python *argv(socket, port)`: one server on tmp/KIND-I.sock and a TCP port."""
         sock, port = os.path.join(tmp, f"{kind}-{i}.sock"), free_port()
-        procs.append(start([sys.executable, *argv[:1], *(a.format(sock=sock, port=port)
-                                                         for a in argv[1:])], ready))
+        procs.append(start([sys.executable, *argv(sock, port)], ready))
         return sock, port
 
     try:
-        kv_servers = [launch("kv", i, [
-            "-m", "radixkv.cli", "serve", "--socket", "{sock}", "--tcp", "127.0.0.1:{port}",
+        kv_servers = [launch("kv", i, lambda sock, port: [
+            "-m", "radixkv.cli", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
             "65536", "--lease-ttl", "600", "--log-level", "warning"], "radixkv serving")
             for i in range(args.replicas)]
@@ -333,17 +334,17 @@ def main() -> int:
         from radixkv.v1 import radixkv_pb2 as pb
 
         prompts = [prompt(args.seed * 1000 + i, args.prompt_tokens) for i in range(64)]
-        m = [populate(sock, prompts, args.block_size) for sock, _ in kv_servers][0]
+        m = [populate(sock, prompts, args.block_size) for sock, _ in kv_servers][0]  # alike
         payload = pb.MatchRequest(client_id="x" * 40, queries=[
             pb.MatchQuery(namespace="bench", tokens=prompts[0])]).SerializeToString()
         constant = pb.MatchResponse(epoch="0" * 32, results=[pb.MatchResult(
             lease_id=2**62, num_tokens=m.num_tokens, block_ids=to_token_bytes(m.block_ids))])
-        echo_servers = [launch("echo", i, [__file__, "--echo-server", "{sock}", "{port}",
-                                           str(constant.ByteSize())], "echo ready")
-                        for i in range(args.replicas)]
-        stub_servers = [launch("stub", i, [__file__, "--stub-server", "{sock}", "{port}",
-                                           constant.SerializeToString().hex()], "stub ready")
-                        for i in range(args.replicas)]
+        echo_servers = [launch("echo", i, lambda sock, port: [
+            __file__, "--echo-server", sock, str(port), str(constant.ByteSize())], "echo ready")
+            for i in range(args.replicas)]
+        stub_servers = [launch("stub", i, lambda sock, port: [
+            __file__, "--stub-server", sock, str(port), constant.SerializeToString().hex()],
+            "stub ready") for i in range(args.replicas)]
 
         aio_sock = os.path.join(tmp, "aio.sock")
         procs.append(start([sys.executable, __file__, "--aio-server", aio_sock, cfg,

@@ -33,3 +33,15 @@ def test_workload_to_tree_replay(tmp_path):
                             "--block-size", "16", "--capacity-blocks", "512", "--no-memory",
                             "--json"))
     assert report["requests"] == 40 and 0 < report["token_hit_rate"] < 1
+
+
+def test_rpc_latency_runs_every_case():
+    """The rpc bench end to end at its smallest: one round, one process of each server."""
+    report = json.loads(run(str(BENCH / "rpc_latency.py"), "--transports", "unix", "--rounds", "1",
+                            "--seconds", "0.2", "--replicas", "1", "--clients", "2", "--json"))
+    unix = report["unix"]
+    assert set(unix["ratios"]) == {"match_p50_over_echo_p50", "match_n_over_echo_n_throughput",
+                                   "stub_n_over_echo_n_throughput",
+                                   "batched_over_unbatched_requests_per_s"}
+    assert len(unix["match_n_over_echo_n_by_round"]) == 1 and unix["match_n"]["calls_per_s"] > 0
+    assert report["aio_unix"]["match_1"]["p50_us"] > 0
