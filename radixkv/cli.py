@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 
@@ -70,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         workers=args.workers, stream_workers=args.stream_workers,
         metrics_port=args.metrics_port, service=service, tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        auth_token=read_token(args.auth_token_file, os.environ.get("RADIXKV_AUTH_TOKEN")))
+        auth_token=read_token(args.auth_token_file, None))  # None: from_env reads the env var
 
     def ready(server: object) -> None:
         from radixkv.layout import format_bytes

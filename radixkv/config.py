@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from radixkv.auth import read_token
 from radixkv.layout import KVLayout
 from radixkv.service import ServiceConfig
 
@@ -61,7 +62,7 @@ class ServerConfig:
         if "RADIXKV_TCP" in env:
             cfg = replace(cfg, tcp=env["RADIXKV_TCP"])
         if env.get("RADIXKV_AUTH_TOKEN"):
-            cfg = replace(cfg, auth_token=env["RADIXKV_AUTH_TOKEN"])
+            cfg = replace(cfg, auth_token=read_token(None, env["RADIXKV_AUTH_TOKEN"]))
         if "RADIXKV_LEASE_TTL" in env:
             cfg = replace(cfg, service=replace(cfg.service,
                                                lease_ttl_s=float(env["RADIXKV_LEASE_TTL"])))

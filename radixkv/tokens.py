@@ -41,7 +41,7 @@ def to_token_bytes(tokens: TokensLike) -> bytes:
     if isinstance(tokens, np.ndarray):
         return _array_to_bytes(tokens)
     try:
-        packed = array.array("I", tokens)
+        return ids_to_bytes(tokens)
     except (OverflowError, TypeError):
         for i, t in enumerate(tokens):
             if not isinstance(t, int | np.integer) or not 0 <= t < _MAX_TOKEN:
@@ -49,9 +49,6 @@ def to_token_bytes(tokens: TokensLike) -> bytes:
                     f"token {i} is {t!r}: token ids must be integers in [0, 2**32)"
                 ) from None
         raise
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
 
 
 def _array_to_bytes(tokens: npt.NDArray[Any]) -> bytes:
@@ -85,8 +82,9 @@ def ids_from_bytes(data: bytes) -> tuple[int, ...]:
 
 
 def ids_to_bytes(ids: Sequence[int]) -> bytes:
-    """Block ids the service itself holds (known to fit uint32) as little-endian uint32 bytes:
-    `to_token_bytes` without its checks, for the reply path."""
+    """Ids known to fit uint32 (block ids the service holds) as little-endian uint32 bytes:
+    `to_token_bytes` without its checks and messages, for the reply path. OverflowError or
+    TypeError for anything else."""
     packed = array.array("I", ids)
     if sys.byteorder == "big":
         packed.byteswap()
