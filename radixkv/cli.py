@@ -46,11 +46,11 @@ def cmd_calc(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
+    from dataclasses import replace
 
     from radixkv.auth import read_token
     from radixkv.config import ServerConfig
     from radixkv.server import serve
-    from radixkv.service import ServiceConfig
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,16 +60,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         num_blocks = layout.blocks_in(parse_bytes(args.memory))
         if num_blocks < 1:
             raise SystemExit(f"--memory {args.memory} holds no {layout.bytes_per_block}-byte block")
-    service = ServiceConfig(lease_ttl_s=args.lease_ttl, max_tokens=args.max_tokens,
-                            vocab_size=args.vocab_size, policy=args.policy,
-                            event_buffer=args.event_buffer)
     config = ServerConfig.from_env(
         layout=layout, num_blocks=num_blocks, backend=args.backend, device=args.device,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
         workers=args.workers, stream_workers=args.stream_workers,
-        metrics_port=args.metrics_port, service=service, tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
+        metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file, None))  # None: from_env reads the env var
+    ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
+    config = replace(config, service=replace(
+        config.service, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
+        policy=args.policy, event_buffer=args.event_buffer, **ttl))
 
     def ready(server: object) -> None:
         from radixkv.layout import format_bytes
@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host: POSIX shared memory (default); cuda: GPU memory via CuPy + IPC")
     g.add_argument("--device", type=int, default=None, help="CUDA device ordinal (cuda backend)")
     g = p.add_argument_group("service")
-    g.add_argument("--lease-ttl", type=float, default=30.0,
-                   help="seconds a lease lives without use before its pins are dropped (30)")
+    g.add_argument("--lease-ttl", type=float, default=None,
+                   help="seconds a lease lives without use before its pins are dropped "
+                   "(default $RADIXKV_LEASE_TTL, else 30)")
     g.add_argument("--policy", default="lru", help="eviction policy: lru (default) or lfu")
     g.add_argument("--max-tokens", type=int, default=1 << 20, help="longest token list accepted")
     g.add_argument("--vocab-size", type=int, default=None,

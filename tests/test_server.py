@@ -325,6 +325,28 @@ def test_serve_with_no_arguments_answers_health_and_reflection(monkeypatch):
     os.rmdir(directory)
 
 
+def test_lease_ttl_from_the_environment(monkeypatch):
+    """$RADIXKV_LEASE_TTL sets the TTL when --lease-ttl is not given."""
+    directory = tempfile.mkdtemp(prefix="rkv-")
+    sock = os.path.join(directory, "ttl.sock")
+    monkeypatch.setenv("RADIXKV_LEASE_TTL", "0.3")
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
+                             "--num-blocks", "8"], text=True, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith("radixkv serving on")
+        with Client(sock) as kv:
+            kv.allocate(2, namespace="ns")
+            deadline = time.monotonic() + 10
+            while kv.stats()["expired_leases"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stats = kv.stats()
+        assert stats["expired_leases"] == 1 and stats["free_blocks"] == 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    os.rmdir(directory)
+
+
 def test_event_subscribers_do_not_starve_calls():
     """Streams run on their own threads: more subscribers than call threads, calls still flow."""
     from radixkv.v1 import radixkv_pb2 as pb
