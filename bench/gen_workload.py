@@ -3,7 +3,7 @@
     python bench/gen_workload.py --requests 2000 --seed 0 --out bench/out/synthetic.jsonl
 
 Shared system prompts, multi-turn conversations whose later turns extend earlier ones, unique
-user messages, Poisson arrivals (see radixkv.workload.generate_synthetic).
+user messages, Poisson arrivals (see radixkv.replay.workload.generate_synthetic).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from radixkv.workload import generate_synthetic, write_token_jsonl  # noqa: E402
+from radixkv.replay.workload import generate_synthetic, write_token_jsonl  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from gpu_pool import create_pool, gather, scatter
-from radixkv.layout import KVLayout
+from gpu_pool.layout import KVLayout
 
 BLOCK_SIZES = [2, 8, 32, 128, 512]  # tokens: 16 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB blocks
 POOL_CAP = 1 << 30  # the pool holds up to 4 N blocks, at most 1 GiB

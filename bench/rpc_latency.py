@@ -99,9 +99,9 @@ def serve_aio_kv(unix: str, config_path: str, block_size: int, num_blocks: int) 
     import grpc
 
     from gpu_pool import create_pool
-    from radixkv.layout import KVLayout
+    from gpu_pool.layout import KVLayout
+    from radixkv.server.servicer import Servicer
     from radixkv.service import KVService, ServiceConfig
-    from radixkv.servicer import Servicer
     from radixkv.v1 import radixkv_pb2_grpc
 
     layout = KVLayout.from_hf_config(config_path, block_size=block_size)
@@ -326,7 +326,7 @@ def main() -> int:
 
     try:
         kv_servers = [launch("kv", i, lambda sock, port: [
-            "-m", "radixkv.cli", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
+            "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
             "65536", "--lease-ttl", "600", "--log-level", "warning"], "radixkv serving")
             for i in range(args.replicas)]

@@ -5,7 +5,7 @@
     python bench/tree_replay.py --trace synthetic --requests 2000 --block-size 16
     python bench/tree_replay.py --trace synthetic --eviction-sizes 1000,10000,100000
 
-Per request it follows radixkv.simulate's contract (match, lock, evict what is short, insert,
+Per request it follows radixkv.replay.simulate's contract (match, lock, evict what is short, insert,
 unlock). After a warm-up replay it reports token hit rate (matched / prompt tokens), blocks
 evicted, requests/s and match / insert latency; then, in a separate pass under tracemalloc,
 the Python memory the tree uses per cached block (token bytes included, and shown apart).
@@ -26,10 +26,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from radixkv.eviction import POLICIES  # noqa: E402
-from radixkv.simulate import replay_tree  # noqa: E402
-from radixkv.tree import RadixTree  # noqa: E402
-from radixkv.workload import Request, generate_synthetic, iter_trace  # noqa: E402
+from radixkv.index.eviction import POLICIES  # noqa: E402
+from radixkv.index.tree import RadixTree  # noqa: E402
+from radixkv.replay.simulate import replay_tree  # noqa: E402
+from radixkv.replay.workload import Request, generate_synthetic, iter_trace  # noqa: E402
 
 
 def requests_of(args: argparse.Namespace, limit: int | None = None) -> Iterator[Request]:

@@ -51,7 +51,7 @@ def start_server(directory: str, model: str, block_size: int, num_blocks: int
     from radixkv.engines import tiny_llama
 
     sock = f"{directory}/s.sock"
-    args = [sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
+    args = [sys.executable, "-m", "radixkv", "serve", "--socket", sock,
             "--model-config", tiny_llama.write_config(directory, model),
             "--block-size", str(block_size), "--num-blocks", str(num_blocks),
             "--log-level", "warning"]

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpu_pool.base import _index
-from radixkv.errors import InvalidArgument
+from gpu_pool.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch

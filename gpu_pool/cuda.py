@@ -28,8 +28,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from gpu_pool.base import BlockPool, PoolHandle, PoolMapping, pid_alive
-from radixkv.errors import InvalidArgument, OutOfBlocks, StalePool, Unavailable
-from radixkv.layout import KVLayout, format_bytes
+from gpu_pool.errors import InvalidArgument, OutOfBlocks, StalePool, Unavailable
+from gpu_pool.layout import KVLayout, format_bytes
 
 if TYPE_CHECKING:
     import torch

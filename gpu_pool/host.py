@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpu_pool.base import BlockPool, PoolHandle, PoolMapping, _Slab, pid_alive
-from radixkv.errors import (
+from gpu_pool.errors import (
     InvalidArgument,
     OutOfBlocks,
     PermissionDenied,
     StalePool,
     Unavailable,
 )
-from radixkv.layout import KVLayout, format_bytes
+from gpu_pool.layout import KVLayout, format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily, on the first torch view
     import torch

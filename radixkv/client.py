@@ -29,15 +29,15 @@ import grpc
 from google.protobuf.message import Message
 
 from gpu_pool import PoolHandle, PoolMapping, attach
+from gpu_pool.layout import KVLayout
 from radixkv import errors
-from radixkv.auth import call_credentials
-from radixkv.config import client_tls_ca, client_token, default_socket_path
 from radixkv.errors import RadixKVError
-from radixkv.layout import KVLayout
+from radixkv.index.tree import InsertResult, NodeView
+from radixkv.server.auth import call_credentials
+from radixkv.server.config import client_tls_ca, client_token, default_socket_path
+from radixkv.server.servicer import ERROR_KEY
 from radixkv.service import Allocation, LeaseMatch
-from radixkv.servicer import ERROR_KEY
 from radixkv.tokens import ids_from_bytes, to_token_bytes
-from radixkv.tree import InsertResult, NodeView
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 

@@ -1,20 +1,21 @@
-"""The project's exceptions. Each names the gRPC status it maps to (by name, so that this module
-does not import grpc); the server aborts through one table built from `code`, and the client maps
-status codes back to these classes."""
+"""The project's exceptions: the pool's own (`gpu_pool.errors`, re-exported here) and the
+service's. Each names the gRPC status it maps to (by name, so that this module does not import
+grpc); the server aborts through one table built from `code`, and the client maps status codes
+back to these classes."""
 
 from __future__ import annotations
 
+from gpu_pool.errors import (
+    InvalidArgument,
+    OutOfBlocks,
+    PermissionDenied,
+    PoolError,
+    StalePool,
+    Unavailable,
+)
 
-class RadixKVError(Exception):
-    """Base class. `code` is the name of a `grpc.StatusCode` member."""
-
-    code = "INTERNAL"
-
-
-class InvalidArgument(RadixKVError, ValueError):
-    """Malformed input: empty or oversized token lists, ids out of range, mismatched lengths."""
-
-    code = "INVALID_ARGUMENT"
+RadixKVError = PoolError
+"""Base class of the project's errors; the pool layer defines it, so its errors share the table."""
 
 
 class NotFound(RadixKVError, KeyError):
@@ -39,12 +40,6 @@ class FailedPrecondition(RadixKVError):
     code = "FAILED_PRECONDITION"
 
 
-class PermissionDenied(RadixKVError):
-    """A lease or block that belongs to another owner or namespace."""
-
-    code = "PERMISSION_DENIED"
-
-
 class Unauthenticated(RadixKVError):
     """A call without the service's auth token."""
 
@@ -55,24 +50,6 @@ class AlreadyExists(RadixKVError):
     """Blocks that are already in the tree, or a second server on the same socket."""
 
     code = "ALREADY_EXISTS"
-
-
-class OutOfBlocks(RadixKVError):
-    """Not enough free blocks even after evicting every unpinned leaf."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-
-class StalePool(RadixKVError):
-    """The pool mapping belongs to an earlier service start (its epoch changed)."""
-
-    code = "FAILED_PRECONDITION"
-
-
-class Unavailable(RadixKVError):
-    """The service cannot be reached, or a needed device (GPU, CuPy) is missing."""
-
-    code = "UNAVAILABLE"
 
 
 ALL_ERRORS: tuple[type[RadixKVError], ...] = (
@@ -87,3 +64,18 @@ ALL_ERRORS: tuple[type[RadixKVError], ...] = (
     StalePool,
     Unavailable,
 )
+
+__all__ = [
+    "ALL_ERRORS",
+    "AlreadyExists",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "LeaseExpired",
+    "NotFound",
+    "OutOfBlocks",
+    "PermissionDenied",
+    "RadixKVError",
+    "StalePool",
+    "Unauthenticated",
+    "Unavailable",
+]

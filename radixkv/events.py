@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from radixkv.errors import InvalidArgument
-from radixkv.tree import BlockRemoved, BlockStored
+from radixkv.index.tree import BlockRemoved, BlockStored
 
 MAX_BATCH = 1024  # events one read() returns at most, so a resume never copies the whole buffer
 

@@ -44,7 +44,7 @@ from radixkv.errors import (
     PermissionDenied,
 )
 from radixkv.events import EventLog
-from radixkv.tree import BlockRemoved, InsertResult, NodeView, RadixTree
+from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
 
 MAX_NAMESPACE_LEN = 256
 EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to tell "expired" from "unknown"

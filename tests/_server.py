@@ -61,7 +61,7 @@ def running_server(*flags: str, num_blocks: int = 16, lease_ttl: float = 30.0,
     it cleaned up."""
     directory = tempfile.mkdtemp(prefix="rkv-")  # short: socket paths are limited to 107 chars
     sock = socket_path or os.path.join(directory, "s.sock")
-    args = [sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
+    args = [sys.executable, "-m", "radixkv", "serve", "--socket", sock,
             "--model-config", tiny_config_path(directory), "--block-size", str(block_size),
             "--num-blocks", str(num_blocks), "--lease-ttl", str(lease_ttl),
             "--log-level", "warning", *flags]

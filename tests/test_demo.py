@@ -15,7 +15,7 @@ def test_demo_runs_every_stage():
     pytest.importorskip("transformers", reason="the engine stage needs the `hf` extra")
     directory = tempfile.mkdtemp(prefix="rkv-demo-")
     env = {**os.environ, "RADIXKV_SOCKET": os.path.join(directory, "s.sock")}
-    out = subprocess.run([sys.executable, "-m", "radixkv.cli", "demo", "--requests", "300",
+    out = subprocess.run([sys.executable, "-m", "radixkv", "demo", "--requests", "300",
                           "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)

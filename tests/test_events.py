@@ -128,7 +128,7 @@ def test_open_stream_does_not_delay_shutdown():
 
 
 def test_event_buffer_must_hold_an_event(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "radixkv.cli", "serve", "--socket",
+    out = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--socket",
                           str(tmp_path / "s.sock"), "--model-config",
                           tiny_config_path(str(tmp_path)), "--event-buffer", "0"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -51,7 +51,7 @@ def server():
 
 
 def cli(server, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "radixkv.cli", *args, "--socket", server.socket],
+    out = subprocess.run([sys.executable, "-m", "radixkv", *args, "--socket", server.socket],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     if check:
         assert out.returncode == 0, out.stderr
@@ -156,7 +156,7 @@ def test_human_views_render(server):
 
 
 def test_stats_watch_stops_cleanly_on_ctrl_c(server):
-    proc = subprocess.Popen([sys.executable, "-m", "radixkv.cli", "stats", "--watch", "0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv", "stats", "--watch", "0.1",
                              "--json", "--socket", server.socket], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdout is not None
@@ -169,7 +169,7 @@ def test_stats_watch_stops_cleanly_on_ctrl_c(server):
 
 
 def test_no_server_is_a_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "radixkv.cli", "inspect", "--socket",
+    out = subprocess.run([sys.executable, "-m", "radixkv", "inspect", "--socket",
                           str(tmp_path / "none.sock")], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert out.returncode == 2 and out.stderr.startswith("radixkv inspect: ")

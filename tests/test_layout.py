@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from radixkv.calc import calculate
+from gpu_pool.calc import calculate
+from gpu_pool.layout import PRESETS, KVLayout, format_bytes, parse_bytes
 from radixkv.errors import InvalidArgument
-from radixkv.layout import PRESETS, KVLayout, format_bytes, parse_bytes
 
 
 def make_layout(**kw: object) -> KVLayout:
@@ -120,7 +120,7 @@ def test_calculate_rows():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "radixkv.cli", *args],
+    return subprocess.run([sys.executable, "-m", "radixkv", *args],
                           capture_output=True, text=True, env={"COLUMNS": "160", "PATH": ""})
 
 

@@ -92,7 +92,7 @@ def test_metrics_match_scripted_traffic(tmp_path):
             {"free": 1, "leased": 0, "cached": 3, "pinned": 0}
 
         # the port is taken: a second server says so and exits 2
-        out = subprocess.run([sys.executable, "-m", "radixkv.cli", "serve", "--socket",
+        out = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--socket",
                               str(tmp_path / "s.sock"), "--model-config",
                               tiny_config_path(str(tmp_path)), "--metrics-port", str(port)],
                              capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -39,8 +39,8 @@ from gpu_pool import (
     reclaim_stale_segments,
 )
 from gpu_pool.host import SHM_DIR, HostBlockPool
+from gpu_pool.layout import KVLayout
 from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError, StalePool, Unavailable
-from radixkv.layout import KVLayout
 
 PREFIX = f"rkvt{os.getpid()}"  # every segment these tests create starts with it
 SPAWN = multiprocessing.get_context("spawn")

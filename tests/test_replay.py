@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from _server import running_server
 
-from radixkv.optimum import NEVER, belady, ceiling, next_uses
-from radixkv.replay import block_keys, render_report, run_replay
-from radixkv.simulate import replay_tree
-from radixkv.workload import generate_synthetic, load_trace
+from radixkv.replay.optimum import NEVER, belady, ceiling, next_uses
+from radixkv.replay.runner import block_keys, render_report, run_replay
+from radixkv.replay.simulate import replay_tree
+from radixkv.replay.workload import generate_synthetic, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / ".." / "shared" / "traces" / "mooncake"
@@ -132,7 +132,7 @@ def test_against_running_server() -> None:
 
 def test_cli_json_and_plots(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "radixkv.cli", "replay", "--trace", "synthetic", "--requests",
+        [sys.executable, "-m", "radixkv", "replay", "--trace", "synthetic", "--requests",
          "120", "--clients", "2", "--capacity-blocks", "128", "--json", "--plots",
          str(tmp_path)],
         capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -274,7 +274,7 @@ def test_restart_changes_epoch_and_client_reattaches():
 
 
 def test_second_server_on_same_socket_is_refused(server):
-    out = subprocess.run([sys.executable, "-m", "radixkv.cli", "serve", "--socket", server.socket,
+    out = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--socket", server.socket,
                           "--num-blocks", "4", "--preset", "llama-3.2-1b"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
@@ -286,10 +286,10 @@ def test_clear_command_frees_a_namespace(server, kv):
     tokens = [11, 12, 13, 14]
     with kv.lease("clear-me", tokens) as lease:
         lease.insert(tokens, lease.allocate(1))
-        busy = subprocess.run([sys.executable, "-m", "radixkv.cli", "clear", "clear-me",
+        busy = subprocess.run([sys.executable, "-m", "radixkv", "clear", "clear-me",
                                "--socket", server.socket], capture_output=True, text=True)
         assert busy.returncode == 2 and "live lease" in busy.stderr
-    out = subprocess.run([sys.executable, "-m", "radixkv.cli", "clear", "clear-me", "--socket",
+    out = subprocess.run([sys.executable, "-m", "radixkv", "clear", "clear-me", "--socket",
                           server.socket, "--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"namespace": "clear-me", "num_freed": 1}
@@ -304,7 +304,7 @@ def test_serve_with_no_arguments_answers_health_and_reflection(monkeypatch):
     directory = tempfile.mkdtemp(prefix="rkv-")
     sock = os.path.join(directory, "default.sock")
     monkeypatch.setenv("RADIXKV_SOCKET", sock)
-    proc = subprocess.Popen([sys.executable, "-m", "radixkv.cli", "serve"], text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv", "serve"], text=True,
                             stdout=subprocess.PIPE)
     try:
         banner = proc.stdout.readline()
@@ -330,7 +330,7 @@ def test_lease_ttl_from_the_environment(monkeypatch):
     directory = tempfile.mkdtemp(prefix="rkv-")
     sock = os.path.join(directory, "ttl.sock")
     monkeypatch.setenv("RADIXKV_LEASE_TTL", "0.3")
-    proc = subprocess.Popen([sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv", "serve", "--socket", sock,
                              "--num-blocks", "8"], text=True, stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline().startswith("radixkv serving on")

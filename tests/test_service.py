@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpu_pool import create_pool
+from gpu_pool.layout import KVLayout
 from radixkv import errors
-from radixkv.layout import KVLayout
 from radixkv.service import KVService, ServiceConfig
 
 BS = 4

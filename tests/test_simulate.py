@@ -3,10 +3,11 @@
 With block_size 512 every full 512-token block of a Mooncake prompt is exactly one hash id, and
 the ids are prefix-chained, so a radix tree over tokens and a set of cached hash ids are the same
 cache. The reference keeps one entry per id (no edges, no splits), evicts childless unlocked ids
-in policy order one block at a time, and follows the replay contract of radixkv.simulate: lock
-touches the matched ids, evict what the free room lacks, insert what fits and touch the whole
-path. Counting only full blocks (the first input_length // 512 ids; a partial block is never
-cached), the per-request hit tokens must be exactly 512 x the reference's matched ids.
+in policy order one block at a time, and follows the replay contract of
+radixkv.replay.simulate: lock touches the matched ids, evict what the free room lacks, insert
+what fits and touch the whole path. Counting only full blocks (the first input_length // 512
+ids; a partial block is never cached), the per-request hit tokens must be exactly 512 x the
+reference's matched ids.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from radixkv.errors import InvalidArgument
-from radixkv.simulate import replay_tree
-from radixkv.workload import Request, generate_synthetic, load_mooncake
+from radixkv.replay.simulate import replay_tree
+from radixkv.replay.workload import Request, generate_synthetic, load_mooncake
 
 TRACES = Path(__file__).parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake" / "conversation_trace.jsonl"

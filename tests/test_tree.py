@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from radixkv.errors import InvalidArgument
-from radixkv.eviction import POLICIES, LFUPolicy, make_policy
+from radixkv.index.eviction import POLICIES, LFUPolicy, make_policy
+from radixkv.index.tree import BlockRemoved, BlockStored, InsertResult, RadixTree
 from radixkv.tokens import from_token_bytes, ids_from_bytes, ids_to_bytes, to_token_bytes
-from radixkv.tree import BlockRemoved, BlockStored, InsertResult, RadixTree
 
 BS = 4
 

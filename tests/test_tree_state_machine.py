@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixkv.errors import InvalidArgument
+from radixkv.index.tree import BlockRemoved, BlockStored, InsertResult, RadixTree
 from radixkv.tokens import to_token_bytes
-from radixkv.tree import BlockRemoved, BlockStored, InsertResult, RadixTree
 
 BS = 4
 # Block codes -> tokens. Codes 0..2 share leading tokens, so blocks differ only late or early.

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from radixkv.errors import InvalidArgument
-from radixkv.tokens import from_token_bytes
-from radixkv.workload import (
+from radixkv.replay.workload import (
     MOONCAKE_BLOCK_TOKENS,
     VOCAB_SIZE,
     Request,
@@ -22,6 +21,7 @@ from radixkv.workload import (
     mooncake_tokens,
     write_token_jsonl,
 )
+from radixkv.tokens import from_token_bytes
 
 TRACES = Path(__file__).parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake" / "conversation_trace.jsonl"

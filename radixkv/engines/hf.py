@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from gpu_pool import gather, scatter
+from gpu_pool.layout import KVLayout
 from radixkv.client import Client, Lease
 from radixkv.errors import InvalidArgument, OutOfBlocks
-from radixkv.layout import KVLayout
 
 log = logging.getLogger("radixkv.engines.hf")
 

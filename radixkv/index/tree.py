@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import InvalidArgument
-from radixkv.eviction import EvictionPolicy, make_policy
+from radixkv.index.eviction import EvictionPolicy, make_policy
 from radixkv.tokens import TokensLike, to_token_bytes
 
 

@@ -7,8 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from gpu_pool.layout import PRESETS, KVLayout, parse_bytes
 from radixkv.errors import RadixKVError
-from radixkv.layout import PRESETS, KVLayout, parse_bytes
 
 
 def add_layout_flags(p: argparse.ArgumentParser, default_preset: str | None) -> None:
@@ -31,7 +31,7 @@ def layout_from_args(args: argparse.Namespace) -> KVLayout:
 
 
 def cmd_calc(args: argparse.Namespace) -> int:
-    from radixkv.calc import calculate, render
+    from gpu_pool.calc import calculate, render
 
     report = calculate(layout_from_args(args), args.context, args.requests,
                        parse_bytes(args.memory) if args.memory else None)
@@ -48,9 +48,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
     from dataclasses import replace
 
-    from radixkv.auth import read_token
-    from radixkv.config import ServerConfig
-    from radixkv.server import serve
+    from radixkv.server.app import serve
+    from radixkv.server.auth import read_token
+    from radixkv.server.config import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -72,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         policy=args.policy, event_buffer=args.event_buffer, **ttl))
 
     def ready(server: object) -> None:
-        from radixkv.layout import format_bytes
+        from gpu_pool.layout import format_bytes
 
         pool = config.layout
         print(f"radixkv serving on {', '.join(server.addresses)}: "  # type: ignore[attr-defined]
@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from radixkv.demo import run_demo
+    from radixkv.cli.demo import run_demo
 
     return run_demo(requests=args.requests, json_out=args.json, engines=not args.no_engines)
 
@@ -175,9 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the two-engine stage (needs the `hf` extra: transformers)")
     p.set_defaults(func=cmd_demo)
 
-    # ---- inspect / stats / events: read-only views through the client (radixkv/inspector.py)
+    # ---- inspect / stats / events: read-only views through the client (radixkv/cli/inspector.py)
     def run_view(args: argparse.Namespace) -> int:
-        from radixkv.inspector import run
+        from radixkv.cli.inspector import run
 
         return run(args)
 
@@ -227,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("namespace")
     p.set_defaults(func=cmd_clear)
 
-    # ---- replay: a trace against a real service, verified, beside the optimum (radixkv/replay.py)
-    from radixkv import replay
+    # ---- replay: a trace against a real service, verified, beside the optimum (replay/runner.py)
+    from radixkv.replay import runner as replay
 
     p = sub.add_parser("replay", help="replay a request trace against the service",
                        description="Replay a trace (Mooncake, token JSONL or synthetic) against a "
@@ -251,6 +251,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

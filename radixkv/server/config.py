@@ -18,8 +18,8 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from radixkv.auth import read_token
-from radixkv.layout import KVLayout
+from gpu_pool.layout import KVLayout
+from radixkv.server.auth import read_token
 from radixkv.service import ServiceConfig
 
 
@@ -42,7 +42,7 @@ class ServerConfig:
     socket: str | None = None  # None: default_socket_path(); "" with tcp set: TCP only
     tcp: str | None = None  # "HOST:PORT" to also listen on TCP
     max_message_bytes: int = 64 << 20
-    workers: int = 2  # threads running calls (radixkv/executor.py says why so few)
+    workers: int = 2  # threads running calls (radixkv/server/executor.py says why so few)
     stream_workers: int = 16  # concurrent server streams (Events subscribers, ...)
     metrics_port: int | None = None
     tls_cert: str | None = None  # PEM files: TLS on the TCP port

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixkv.errors import InvalidArgument
-from radixkv.tree import RadixTree
-from radixkv.workload import Request
+from radixkv.index.tree import RadixTree
+from radixkv.replay.workload import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """What `radixkv replay` reports: the frozen ReplayReport, how it is built from the client
-processes' per-request records and the offline optimum (radixkv.optimum), its rich rendering
+processes' per-request records and the offline optimum (radixkv.replay.optimum), its rich rendering
 and its plots. Nothing here talks to the service.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.optimum import belady, ceiling
+from radixkv.replay.optimum import belady, ceiling
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +170,7 @@ class RunConfig:
 def build_report(run: RunConfig, trace: TraceLog, outs: list[dict[str, Any]], wall: float,
                  before: dict[str, Any], after: dict[str, Any], peak: int,
                  notes: list[str]) -> ReplayReport:
-    """Merge the clients' records (radixkv.replay_client) into trace order, run the optimum and
+    """Merge the clients' records (radixkv.replay.client) into trace order, run the optimum and
     the ceiling over the same block keys, and summarize. `before` / `after`: Stats dicts."""
     block_size, capacity, prefix = run.block_size, run.capacity_blocks, run.namespace_prefix
     n = len(trace.prompt_tokens)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from radixkv.errors import InvalidArgument
+from gpu_pool.errors import InvalidArgument
 
 DTYPE_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 QUANTIZED = ("int8", "int4")

@@ -5,15 +5,15 @@ processes, as engines would drive it; every hit verified; the offline optimum be
     trace -> feeder thread ---- job queue ---->   Match -> Allocate the rest -> write the new
       (block keys)              (trace order)     blocks' bytes -> Insert -> Release
     progress bar, Stats polls <- result queue --  per-request hits, latencies, mismatches
-    then: Belady and the ceiling over the same keys (radixkv.optimum) -> ReplayReport
+    then: Belady and the ceiling over the same keys (radixkv.replay.optimum) -> ReplayReport
 
-Clients (radixkv.replay_client) take requests in trace order from one queue, so the order
+Clients (radixkv.replay.client) take requests in trace order from one queue, so the order
 holds as far as concurrency allows. Each full block's key is a 64-bit chained hash of
 namespace + token prefix; the writer puts it in the block's first 8 bytes through the pool
 mapping, and every hit reads its blocks back and checks them (verification, on by default:
-mismatches must be 0). The report is built by radixkv.replay_report.
+mismatches must be 0). The report is built by radixkv.replay.report.
 
-With one client the service sees exactly radixkv.simulate.replay_tree's per-request sequence
+With one client the service sees exactly radixkv.replay.simulate.replay_tree's per-request sequence
 (one namespace, same block size, capacity and policy), so the hit tokens are equal, request by
 request: Match pins the prefix (the tree's match + lock); Allocate evicts exactly what the
 free list lacks; when even eviction cannot make room (a prompt longer than the capacity), it
@@ -24,7 +24,7 @@ order.) With N > 1 clients requests overlap: a prefix inserted by one client may
 visible to another, and pins of concurrent requests change what can be evicted, so the hit
 rate differs slightly from replay_tree's; equality is asserted for 1 client only.
 
-The service is started for the run (`python -m radixkv.cli serve` on a temporary socket, one
+The service is started for the run (`python -m radixkv serve` on a temporary socket, one
 KV layer / head / dim in fp16 so a block is 4 x block_size bytes) unless `target` names a
 running one; then the block size and capacity are the server's, and namespaces get a per-run
 prefix so earlier contents neither hit nor fail verification.
@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.errors import InvalidArgument, RadixKVError
-from radixkv.replay_client import ClientArgs, block_keys, client_main
-from radixkv.replay_report import (
+from radixkv.replay.client import ClientArgs, block_keys, client_main
+from radixkv.replay.report import (
     ReplayReport,
     RunConfig,
     TraceLog,
@@ -60,7 +60,7 @@ from radixkv.replay_report import (
     render_report,
     write_plots,
 )
-from radixkv.workload import Request, generate_synthetic, iter_trace
+from radixkv.replay.workload import Request, generate_synthetic, iter_trace
 
 __all__ = ["ReplayReport", "block_keys", "render_report", "run_replay", "start_service"]
 
@@ -93,7 +93,7 @@ def start_service(
     with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
         json.dump({"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
                    "head_dim": 2 if block_size == 1 else 1, "torch_dtype": "float16"}, f)
-    args = [sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
+    args = [sys.executable, "-m", "radixkv", "serve", "--socket", sock,
             "--model-config", config, "--block-size", str(block_size),
             "--num-blocks", str(capacity_blocks), "--policy", policy, "--log-level", "warning"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -336,7 +336,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not write and check block bytes (on by default)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
                    help="prefill rate to turn saved tokens into TTFT (default 10,000: an "
-                   "assumed 70B-class rate, see radixkv/replay.py; give your engine's)")
+                   "assumed 70B-class rate, see radixkv/replay/runner.py; give your engine's)")
     p.add_argument("--windows", type=int, default=40, help="hit-rate-over-time windows (40)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

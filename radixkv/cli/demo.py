@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 
 from radixkv.client import Client
-from radixkv.config import default_socket_path
+from radixkv.server.config import default_socket_path
 
 
 @contextlib.contextmanager
@@ -45,7 +45,7 @@ def service_process(*flags: str, console: Console | None = None) -> Iterator[str
 
 
 def _start(sock: str, flags: tuple[str, ...]) -> subprocess.Popen[str] | None:
-    proc = subprocess.Popen([sys.executable, "-m", "radixkv.cli", "serve", "--socket", sock,
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv", "serve", "--socket", sock,
                              "--log-level", "warning", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -60,16 +60,16 @@ def _start(sock: str, flags: tuple[str, ...]) -> subprocess.Popen[str] | None:
 
 
 def stage_calc(console: Console) -> None:
-    from radixkv.calc import calculate, render
-    from radixkv.layout import KVLayout
+    from gpu_pool.calc import calculate, render
+    from gpu_pool.layout import KVLayout
 
     console.rule("[bold]1. What KV costs (radixkv calc --preset llama-3-70b)")
     console.print(render(calculate(KVLayout.from_preset("llama-3-70b"))))
 
 
 def stage_tree(console: Console, num_requests: int) -> dict[str, Any]:
-    from radixkv.simulate import replay_tree
-    from radixkv.workload import generate_synthetic
+    from radixkv.replay.simulate import replay_tree
+    from radixkv.replay.workload import generate_synthetic
 
     console.rule("[bold]2. The radix tree alone on a synthetic chat workload")
     requests = generate_synthetic(num_requests, seed=0)
@@ -110,8 +110,8 @@ def stage_service(console: Console, sock: str) -> dict[str, Any]:
 
 
 def stage_replay(console: Console, sock: str, num_requests: int) -> dict[str, Any]:
-    from radixkv.replay import render_report, run_replay
-    from radixkv.workload import generate_synthetic
+    from radixkv.replay.runner import render_report, run_replay
+    from radixkv.replay.workload import generate_synthetic
 
     console.rule("[bold]4. Load replay: synthetic chats from 2 engine processes, bytes verified")
     with Client(sock) as kv:
@@ -125,7 +125,7 @@ def stage_replay(console: Console, sock: str, num_requests: int) -> dict[str, An
 
 
 def stage_inspect(console: Console, sock: str) -> dict[str, Any]:
-    from radixkv.inspector import render_summary, summary
+    from radixkv.cli.inspector import render_summary, summary
 
     console.rule(f"[bold]5. What the cache holds now (radixkv inspect --socket {sock})")
     with Client(sock) as kv:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from radixkv.layout import KVLayout, format_bytes
+from gpu_pool.layout import KVLayout, format_bytes
 
 QUANT_SCHEMES = {
     "fp32": "-",

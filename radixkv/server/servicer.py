@@ -17,15 +17,15 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
+from gpu_pool.layout import KVLayout
 from radixkv.errors import ALL_ERRORS, InvalidArgument, RadixKVError
 from radixkv.events import KVEvent
-from radixkv.layout import KVLayout
 from radixkv.service import KVService
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 
-log = logging.getLogger("radixkv.server")
+log = logging.getLogger("radixkv.server.app")
 
 SERVICE_NAME = "radixkv.v1.RadixKV"
 ERROR_KEY = "radixkv-error"
@@ -38,7 +38,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class RpcObserver(Protocol):
-    """Told about every unary call the `rpc` wrapper runs (radixkv.metrics implements it)."""
+    """Told about every unary call the `rpc` wrapper runs (radixkv.server.metrics implements it)."""
 
     def observe_rpc(self, method: str, seconds: float, code: str) -> None: ...
 

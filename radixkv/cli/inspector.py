@@ -33,7 +33,7 @@ from typing import IO, Any
 import numpy as np
 
 from radixkv.client import Client
-from radixkv.tree import NodeView
+from radixkv.index.tree import NodeView
 from radixkv.v1 import radixkv_pb2 as pb
 
 PREVIEW = 8  # token ids shown per edge / prefix
@@ -346,7 +346,7 @@ def show(view: Any, as_json: bool, render: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of `radixkv inspect | stats | events` (their flags live in radixkv.cli)."""
+    """Entry point of `radixkv inspect | stats | events` (their flags live in radixkv.cli.main)."""
     target = args.target or (os.path.abspath(args.socket) if args.socket else None)
     with Client(target) as kv:
         if args.command == "events":

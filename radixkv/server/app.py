@@ -22,16 +22,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_pool import create_pool
-from radixkv.auth import TokenInterceptor, server_credentials
-from radixkv.config import ServerConfig
 from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
-from radixkv.executor import SplitExecutor
-from radixkv.metrics import Metrics
+from radixkv.server.auth import TokenInterceptor, server_credentials
+from radixkv.server.config import ServerConfig
+from radixkv.server.executor import SplitExecutor
+from radixkv.server.metrics import Metrics
+from radixkv.server.servicer import SERVICE_NAME, Servicer
 from radixkv.service import KVService
-from radixkv.servicer import SERVICE_NAME, Servicer
 from radixkv.v1 import radixkv_pb2, radixkv_pb2_grpc
 
-log = logging.getLogger("radixkv.server")
+log = logging.getLogger("radixkv.server.app")
 
 class RadixKVServer:
     """Owns the pool, the service, the grpc server and the lease sweeper."""
