@@ -110,9 +110,6 @@ class KVLayout:
     def with_dtype(self, dtype: str) -> KVLayout:
         return replace(self, dtype=dtype)
 
-    def with_block_size(self, block_size: int) -> KVLayout:
-        return replace(self, block_size=block_size)
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from radixkv.errors import InvalidArgument
 from radixkv.index.tree import BlockRemoved, BlockStored
+from radixkv.tokens import block_bytes
 
 MAX_BATCH = 1024  # events one read() returns at most, so a resume never copies the whole buffer
 
@@ -79,7 +80,7 @@ class EventLog:
             salt = hashlib.blake2b(namespace.encode(), digest_size=8).digest()
             parent = salt if ev.parent_block_id is None else self._hash_of[
                 (namespace, ev.parent_block_id)]
-            run = 4 * self.block_size
+            run = block_bytes(self.block_size)
             hashes = []
             h = parent
             for i, block_id in enumerate(ev.block_ids):

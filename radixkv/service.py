@@ -45,6 +45,7 @@ from radixkv.errors import (
 )
 from radixkv.events import EventLog
 from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
+from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 MAX_NAMESPACE_LEN = 256
 EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to tell "expired" from "unknown"
@@ -180,9 +181,9 @@ class KVService:
                     ns.tree.lock(m.handle)
                     lease.handles.append(m.handle)
                 ns.requests += 1
-                ns.query_tokens += len(tokens) // 4
+                ns.query_tokens += num_tokens(tokens)
                 ns.hit_tokens += m.num_tokens
-                self._recent.append((len(tokens) // 4, m.num_tokens))
+                self._recent.append((num_tokens(tokens), m.num_tokens))
                 out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids))
         return out
 
@@ -217,11 +218,11 @@ class KVService:
         id must be leased to `lease_id` or be the id the tree already holds at that position.
         Prefixes already cached are not adopted: those leased blocks return to the free list."""
         self._check_tokens(tokens)
-        num_full = len(tokens) // 4 // self.block_size
+        num_full = num_tokens(tokens) // self.block_size
         if len(block_ids) != num_full:
             raise InvalidArgument(
                 f"{len(block_ids)} block ids for {num_full} full blocks "
-                f"({len(tokens) // 4} tokens, block_size {self.block_size})")
+                f"({num_tokens(tokens)} tokens, block_size {self.block_size})")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidArgument("block ids repeat within one insert")
         for b in block_ids:
@@ -371,15 +372,15 @@ class KVService:
     def _check_tokens(self, tokens: bytes) -> None:
         if not tokens:
             raise InvalidArgument("empty token list")
-        if len(tokens) % 4:
+        if len(tokens) % TOKEN_BYTES:
             raise InvalidArgument(f"tokens are {len(tokens)} bytes, not a whole number of "
                                   "little-endian uint32 ids")
-        n = len(tokens) // 4
+        n = num_tokens(tokens)
         if n > self.config.max_tokens:
             raise InvalidArgument(f"{n} tokens, limit {self.config.max_tokens}")
         vocab = self.config.vocab_size
         if vocab is not None:
-            ids = np.frombuffer(tokens, dtype="<u4")
+            ids = from_token_bytes(tokens)
             if int(ids.max()) >= vocab:
                 i = int(np.argmax(ids >= vocab))
                 raise InvalidArgument(f"token id {int(ids[i])} at index {i} is out of range "

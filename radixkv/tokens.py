@@ -20,8 +20,19 @@ from radixkv.errors import InvalidArgument
 TokensLike: TypeAlias = bytes | bytearray | memoryview | npt.NDArray[Any] | Sequence[int]
 
 TOKEN_DTYPE = np.dtype("<u4")
+TOKEN_BYTES = TOKEN_DTYPE.itemsize  # one id in the tree and on the wire
 _MAX_TOKEN = 2**32
 assert array.array("I").itemsize == 4, "array code 'I' must be 32-bit on supported platforms"
+
+
+def num_tokens(data: bytes | bytearray | memoryview) -> int:
+    """How many ids `data` (token bytes) holds."""
+    return len(data) // TOKEN_BYTES
+
+
+def block_bytes(block_size: int) -> int:
+    """Bytes of one block's token ids: the stride of a block in token bytes."""
+    return TOKEN_BYTES * block_size
 
 
 def to_token_bytes(tokens: TokensLike) -> bytes:
@@ -30,12 +41,12 @@ def to_token_bytes(tokens: TokensLike) -> bytes:
     Raises InvalidArgument for a byte length that is not a multiple of 4, a non-integer or
     multi-dimensional array, or a token outside [0, 2**32) (naming its index and value)."""
     if type(tokens) is bytes:
-        if len(tokens) % 4:
+        if len(tokens) % TOKEN_BYTES:
             raise InvalidArgument(f"token bytes must be a multiple of 4 long, got {len(tokens)}")
         return tokens
     if isinstance(tokens, bytes | bytearray | memoryview):
         data = bytes(tokens)
-        if len(data) % 4:
+        if len(data) % TOKEN_BYTES:
             raise InvalidArgument(f"token bytes must be a multiple of 4 long, got {len(data)}")
         return data
     if isinstance(tokens, np.ndarray):
@@ -69,16 +80,16 @@ def _array_to_bytes(tokens: npt.NDArray[Any]) -> bytes:
 def from_token_bytes(data: bytes | bytearray | memoryview) -> npt.NDArray[np.uint32]:
     """A zero-copy uint32 view of token bytes (read-only for `bytes`)."""
     nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
-    if nbytes % 4:
+    if nbytes % TOKEN_BYTES:
         raise InvalidArgument(f"token bytes must be a multiple of 4 long, got {nbytes}")
     return np.frombuffer(data, dtype=TOKEN_DTYPE)
 
 
 def ids_from_bytes(data: bytes) -> tuple[int, ...]:
     """Ids (block ids on the wire) from little-endian uint32 bytes, as a tuple of ints."""
-    if len(data) % 4:
+    if len(data) % TOKEN_BYTES:
         raise InvalidArgument(f"id bytes must be a multiple of 4 long, got {len(data)}")
-    return struct.unpack(f"<{len(data) // 4}I", data)  # half the time of tuple(array(...))
+    return struct.unpack(f"<{num_tokens(data)}I", data)  # half the time of tuple(array(...))
 
 
 def ids_to_bytes(ids: Sequence[int]) -> bytes:

@@ -9,9 +9,6 @@ two engine processes reusing KV -> the inspector's summary.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -19,44 +16,28 @@ from typing import Any
 from rich.console import Console
 
 from radixkv.client import Client
+from radixkv.errors import AlreadyExists
 from radixkv.server.config import default_socket_path
+from radixkv.server.launch import server_process, start_server
 
 
 @contextlib.contextmanager
 def service_process(*flags: str, console: Console | None = None) -> Iterator[str]:
     """Run `radixkv serve` (default socket; a private temporary one if another server holds
     it) and yield its socket path; SIGTERM it at exit."""
-    with tempfile.TemporaryDirectory(prefix="radixkv-demo-") as private:
-        sock = default_socket_path()
-        proc = _start(sock, flags)
-        if proc is None:
-            sock = os.path.join(private, "radixkv.sock")
-            if console:
-                console.print(f"[yellow]another server holds {default_socket_path()}; "
-                              f"using {sock}[/]")
-            proc = _start(sock, flags)
-            if proc is None:
-                raise RuntimeError("radixkv serve did not start")
-        try:
-            yield sock
-        finally:
-            proc.terminate()
-            proc.wait(30)
-
-
-def _start(sock: str, flags: tuple[str, ...]) -> subprocess.Popen[str] | None:
-    proc = subprocess.Popen([sys.executable, "-m", "radixkv", "serve", "--socket", sock,
-                             "--log-level", "warning", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if line.startswith("radixkv serving on"):
-        return proc
-    proc.wait(30)
-    err = proc.stderr.read() if proc.stderr else ""
-    if "another radixkv server holds" in err:
-        return None
-    raise RuntimeError(f"radixkv serve failed: {line}{err}")
+    try:
+        server = start_server(default_socket_path(), *flags)
+    except AlreadyExists:
+        if console:
+            console.print(f"[yellow]another server holds {default_socket_path()}; "
+                          "using a private socket[/]")
+        with server_process(*flags) as private:
+            yield private.socket
+        return
+    try:
+        yield server.socket
+    finally:
+        server.stop()
 
 
 def stage_calc(console: Console) -> None:
@@ -138,15 +119,9 @@ def stage_engines(console: Console) -> dict[str, Any]:
     from radixkv.engines.demo import demo_serve_flags, run_engine_demo
 
     console.rule("[bold]6. Two engine processes reuse KV (a tiny random-weight Llama, CPU)")
-    with tempfile.TemporaryDirectory(prefix="radixkv-demo-model-") as directory:
-        sock = os.path.join(directory, "radixkv.sock")  # one service per model: a second one
-        proc = _start(sock, tuple(demo_serve_flags(directory)))
-        assert proc is not None
-        try:
-            result = run_engine_demo(sock)
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    with tempfile.TemporaryDirectory(prefix="radixkv-demo-model-") as directory, \
+            server_process(*demo_serve_flags(directory)) as server:  # one service per model
+        result = run_engine_demo(server.socket)
     from rich.table import Table
 
     table = Table("request", "engine", "tokens", "reused", "TTFT", "no cache", "same output")

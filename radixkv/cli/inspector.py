@@ -30,10 +30,9 @@ import sys
 import time
 from typing import IO, Any
 
-import numpy as np
-
 from radixkv.client import Client
 from radixkv.index.tree import NodeView
+from radixkv.tokens import from_token_bytes, num_tokens
 from radixkv.v1 import radixkv_pb2 as pb
 
 PREVIEW = 8  # token ids shown per edge / prefix
@@ -45,8 +44,8 @@ def _rate(hit: int, query: int) -> float | None:
 
 
 def _token_ids(data: bytes, limit: int | None = None) -> list[int]:
-    end = len(data) // 4 if limit is None else min(len(data) // 4, limit)
-    return [int(t) for t in np.frombuffer(data, dtype="<u4", count=end)]
+    end = num_tokens(data) if limit is None else min(num_tokens(data), limit)
+    return [int(t) for t in from_token_bytes(data)[:end]]
 
 
 # ---- summary -------------------------------------------------------------------------------
@@ -155,7 +154,7 @@ def tree_view(kv: Client, namespace: str, depth: int = 0) -> dict[str, Any]:
     size: dict[int, tuple[int, int, int]] = {}  # node -> (tokens, blocks, nodes) below + own
     for n in reversed(nodes):  # DFS pre-order reversed: children before parents
         below = [size[c.node_id] for c in kids.get(n.node_id, [])]
-        size[n.node_id] = (len(n.tokens) // 4 + sum(b[0] for b in below),
+        size[n.node_id] = (num_tokens(n.tokens) + sum(b[0] for b in below),
                            len(n.block_ids) + sum(b[1] for b in below),
                            1 + sum(b[2] for b in below))
 
@@ -165,7 +164,7 @@ def tree_view(kv: Client, namespace: str, depth: int = 0) -> dict[str, Any]:
     def build(n: NodeView, level: int) -> dict[str, Any]:
         tokens, blocks, count = size[n.node_id]
         out: dict[str, Any] = {
-            "node_id": n.node_id, "tokens": len(n.tokens) // 4, "blocks": len(n.block_ids),
+            "node_id": n.node_id, "tokens": num_tokens(n.tokens), "blocks": len(n.block_ids),
             "depth_tokens": n.depth_tokens, "lock_count": n.lock_count, "hits": n.hits,
             "age_s": round(max(0.0, now - n.last_access), 3),
             "first_token_ids": _token_ids(n.tokens, PREVIEW), "block_ids": list(n.block_ids),

@@ -23,7 +23,7 @@ from typing import Any
 
 from radixkv.errors import InvalidArgument
 from radixkv.index.eviction import EvictionPolicy, make_policy
-from radixkv.tokens import TokensLike, to_token_bytes
+from radixkv.tokens import TokensLike, block_bytes, num_tokens, to_token_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +142,7 @@ class RadixTree:
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
         self._block_size = block_size
-        self._block_bytes = 4 * block_size
+        self._block_bytes = block_bytes(block_size)
         self._policy: EvictionPolicy[_Node] = (
             make_policy(policy) if isinstance(policy, str) else policy
         )
@@ -287,7 +287,7 @@ class RadixTree:
         if len(given) != num_blocks:
             raise InvalidArgument(
                 f"got {len(given)} block ids for {num_blocks} full blocks "
-                f"({len(key) // 4} tokens, block_size {self._block_size})"
+                f"({num_tokens(key)} tokens, block_size {self._block_size})"
             )
         if not given:
             return InsertResult((), (), 0)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.errors import InvalidArgument, OutOfBlocks
+from radixkv.tokens import block_bytes
 
 _PERSON = b"radixkv-replay"
 
@@ -32,7 +33,7 @@ _PERSON = b"radixkv-replay"
 def block_keys(namespace: str, tokens: bytes, block_size: int) -> np.ndarray[Any, Any]:
     """uint64 key of each full block: a chained blake2b of namespace + the token prefix up to
     the block's end. Equal keys <=> equal namespace and prefix (up to 64-bit collisions)."""
-    bb = 4 * block_size
+    bb = block_bytes(block_size)
     h = hashlib.blake2b(namespace.encode(), digest_size=8, person=_PERSON).digest()
     view, digests = memoryview(tokens), []
     for start in range(0, len(tokens) - bb + 1, bb):
@@ -133,7 +134,7 @@ def client_main(args: ClientArgs, jobs: Any, results: Any, done: Any, barrier: A
 
 def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, done: Any,
                  t0: float) -> dict[str, Any]:
-    bb = 4 * args.block_size
+    bb = block_bytes(args.block_size)
     clock = time.perf_counter_ns
     cols: dict[str, list[int]] = {k: [] for k in (
         "index", "hit_tokens", "match_ns", "allocate_ns", "insert_ns", "release_ns",

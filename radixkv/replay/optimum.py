@@ -47,10 +47,6 @@ class OptimumResult:
     peak_cached_blocks: int
     per_request_hit_blocks: tuple[int, ...]
 
-    @property
-    def block_hit_rate(self) -> float:
-        return self.hit_blocks / self.num_blocks if self.num_blocks else 0.0
-
 
 def next_uses(requests: Sequence[Sequence[Hashable]]) -> list[int]:
     """For each block in flattened order, the flattened position of its key's next occurrence

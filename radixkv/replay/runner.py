@@ -38,10 +38,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -61,6 +57,7 @@ from radixkv.replay.report import (
     write_plots,
 )
 from radixkv.replay.workload import Request, generate_synthetic, iter_trace
+from radixkv.server.launch import server_process
 
 __all__ = ["ReplayReport", "block_keys", "render_report", "run_replay", "start_service"]
 
@@ -72,54 +69,21 @@ DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 MOONCAKE_BLOCK_SIZE = 512
 
 
-def _die_with_parent() -> None:
-    """In the server's child process: SIGTERM it when we die (Linux), so a replay killed
-    before its cleanup leaves no server behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @contextlib.contextmanager
 def start_service(
     block_size: int, capacity_blocks: int, policy: str = "lru"
 ) -> Iterator[str]:
     """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
     SIGTERM at exit."""
-    directory = tempfile.mkdtemp(prefix="rkv-replay-")  # short: socket paths <= 107 chars
-    sock = os.path.join(directory, "s.sock")
-    config = os.path.join(directory, "config.json")
-    with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
-        json.dump({"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-                   "head_dim": 2 if block_size == 1 else 1, "torch_dtype": "float16"}, f)
-    args = [sys.executable, "-m", "radixkv", "serve", "--socket", sock,
-            "--model-config", config, "--block-size", str(block_size),
-            "--num-blocks", str(capacity_blocks), "--policy", policy, "--log-level", "warning"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=_die_with_parent)
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("radixkv serving on"):
-            break
-    else:
-        proc.wait()
-        shutil.rmtree(directory, ignore_errors=True)
-        raise RadixKVError("radixkv serve did not start:\n" + "".join(lines))
-    out = proc.stdout
-    threading.Thread(target=lambda: lines.extend(out), daemon=True).start()  # never block it
-    try:
-        yield sock
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(directory, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
+        config = os.path.join(directory, "config.json")
+        with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
+            json.dump({"num_hidden_layers": 1, "num_attention_heads": 1,
+                       "num_key_value_heads": 1, "head_dim": 2 if block_size == 1 else 1,
+                       "torch_dtype": "float16"}, f)
+        with server_process("--model-config", config, "--block-size", str(block_size),
+                            "--num-blocks", str(capacity_blocks), "--policy", policy) as server:
+            yield server.socket
 
 
 # ---- the run -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import numpy as np
 from radixkv.errors import InvalidArgument
 from radixkv.index.tree import RadixTree
 from radixkv.replay.workload import Request
+from radixkv.tokens import block_bytes, num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,7 @@ def replay_tree(
     if capacity_blocks < 0:
         raise InvalidArgument(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     tree = RadixTree(block_size, policy, record_events=False)
-    bb = 4 * block_size
+    bb = block_bytes(block_size)
     free = list(range(capacity_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
     namespace: str | None = None
     prompt_tokens = cacheable = hits = evicted = dropped = peak = 0
@@ -120,7 +121,7 @@ def replay_tree(
         insert_ns.append(t3 - t2)
         dropped += need - take
         peak = max(peak, tree.num_cached_blocks)
-        prompt_tokens += len(tokens) // 4
+        prompt_tokens += num_tokens(tokens)
         cacheable += num_blocks * block_size
         hits += m.num_tokens
         per_request.append(m.num_tokens)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.errors import InvalidArgument
-from radixkv.tokens import TOKEN_DTYPE, from_token_bytes, to_token_bytes
+from radixkv.tokens import TOKEN_DTYPE, from_token_bytes, num_tokens, to_token_bytes
 
 MOONCAKE_BLOCK_TOKENS = 512
 VOCAB_SIZE = 128_000
@@ -40,7 +40,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) // 4
+        return num_tokens(self.tokens)
 
 
 def mooncake_tokens(hash_ids: list[int], input_length: int) -> bytes:
@@ -191,6 +191,6 @@ def generate_synthetic(
         history, turns_left = slot
         prompt = history + tokens(user_tokens)
         answer = tokens(answer_tokens)
-        out.append(Request(prompt, round(now, 3), namespace, len(answer) // 4))
+        out.append(Request(prompt, round(now, 3), namespace, num_tokens(answer)))
         slots[i] = (prompt + answer, turns_left - 1) if turns_left > 1 else None
     return out

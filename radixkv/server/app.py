@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -191,11 +190,3 @@ def serve(config: ServerConfig, ready: Any = None) -> int:
         server.stop()
     return 0
 
-
-def wait_for_socket(path: str, timeout: float = 20.0) -> None:
-    """Block until a Unix socket path exists (for tests and the demo)."""
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no radixkv socket at {path} after {timeout:g} s")
-        time.sleep(0.02)

@@ -1,0 +1,110 @@
+"""`radixkv serve` in a subprocess: the one way tools (demo, replay, benchmarks) and tests start a
+server. The child prints a banner line once it serves; until then its output is kept for the
+error message, afterwards a thread drains it so the child never blocks on a full pipe.
+
+    with server_process("--num-blocks", "64") as server:   # a fresh socket in a temp dir
+        Client(server.socket) ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from radixkv.errors import AlreadyExists, Unavailable
+
+BANNER = "radixkv serving on"
+SOCKET_TAKEN = "another radixkv server holds"  # the server's refusal when the socket is in use
+
+
+@dataclass
+class ServerProcess:
+    """A running `radixkv serve`: its process, socket, banner line and output so far."""
+
+    proc: subprocess.Popen[str]
+    socket: str
+    banner: str
+    lines: list[str] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send `sig` (SIGTERM: a clean stop) and wait; SIGKILL after `timeout`. Returns the exit
+        code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the starting thread dies (Linux
+    PR_SET_PDEATHSIG), so a tool killed before its cleanup leaves no server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
+def start_server(socket: str, *flags: str, timeout: float = 60.0,
+                 die_with_parent: bool = True) -> ServerProcess:
+    """Start `python -m radixkv serve --socket SOCKET --log-level warning FLAGS...` and return
+    once it serves. Raises AlreadyExists if another server holds the socket, Unavailable if the
+    child exits or prints no banner within `timeout` seconds (its output in the message)."""
+    args = [sys.executable, "-m", "radixkv", "serve", "--socket", socket,
+            "--log-level", "warning", *flags]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent if die_with_parent else None)
+    out = proc.stdout
+    assert out is not None
+    lines: list[str] = []
+    timer = threading.Timer(timeout, proc.kill)  # a child that hangs before its banner
+    timer.start()
+    try:
+        for line in out:
+            lines.append(line)
+            if line.startswith(BANNER):
+                break
+    finally:
+        timer.cancel()
+    if not lines or not lines[-1].startswith(BANNER):
+        proc.wait()
+        text = "".join(lines)
+        if SOCKET_TAKEN in text:
+            raise AlreadyExists(text.strip())
+        raise Unavailable(f"radixkv serve exited {proc.returncode} before serving:\n{text}")
+    threading.Thread(target=lambda: lines.extend(out), daemon=True).start()
+    return ServerProcess(proc, socket, lines[-1], lines)
+
+
+@contextlib.contextmanager
+def server_process(*flags: str, socket: str | None = None,
+                   timeout: float = 60.0) -> Iterator[ServerProcess]:
+    """`start_server` on `socket`, or on a fresh socket in a temporary directory; SIGTERM at exit
+    and remove the directory."""
+    directory = tempfile.mkdtemp(prefix="rkv-")  # short: socket paths are limited to 107 chars
+    try:
+        server = start_server(socket or os.path.join(directory, "s.sock"), *flags,
+                              timeout=timeout)
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
