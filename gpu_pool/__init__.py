@@ -7,7 +7,9 @@ service that owns it and the engines that attach it. Backends: `host` (POSIX sha
     mapping = attach(handle)                           # engine: same memory, zero-copy
     k, v = gather(mapping.view(), block_ids)           # blocks -> engine-layout tensors
 
-Importing this package imports neither CuPy nor torch.
+The KV geometry (`layout.KVLayout`, the byte math) and the memory calculator (`calc`) live here
+too, with the pool's own errors (`errors`). This package imports nothing of `radixkv`.
+Importing it imports neither CuPy nor torch.
 """
 
 from gpu_pool.base import (
@@ -22,12 +24,16 @@ from gpu_pool.base import (
     slab_strides,
 )
 from gpu_pool.copy import gather, scatter
+from gpu_pool.errors import PoolError
 from gpu_pool.host import install_signal_cleanup, reclaim_stale_segments, unlink_owned_segments
+from gpu_pool.layout import KVLayout
 
 __all__ = [
     "BACKENDS",
     "BlockPool",
+    "KVLayout",
     "PoolHandle",
+    "PoolError",
     "PoolMapping",
     "attach",
     "create_pool",

@@ -1,7 +1,10 @@
 """radixkv: a prefix KV-cache service for LLM inference engines.
 
-The package imports nothing heavy at top level: `gpu_pool.layout` and `radixkv.index.tree` are pure
-Python; the service, client and pool pull in grpc / torch only when imported."""
+Parts (README, "An engine's request"): `gpu_pool` (the lower layer: KV layout, block pool, copies),
+`radixkv.index` (the radix tree), `radixkv.service` (leases, namespaces), `radixkv.server` (gRPC),
+`radixkv.client` (what engines import), `radixkv.cli`, `radixkv.replay`, `radixkv.engines`.
+Importing the package imports nothing heavy: the KV layout is re-exported from `gpu_pool.layout`,
+which is pure Python; grpc and torch come in only with the modules that need them."""
 
 from gpu_pool.layout import PRESETS, KVLayout
 from radixkv.errors import RadixKVError

@@ -42,7 +42,7 @@ def test_token_is_required_on_radixkv_calls_but_not_on_health(token_file):
 def test_short_token_is_refused(tmp_path):
     path = tmp_path / "token"
     path.write_text("short\n")
-    with pytest.raises(RuntimeError, match="use at least 16"):
+    with pytest.raises(errors.Unavailable, match="use at least 16"):
         with running_server("--auth-token-file", str(path)):
             pass
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from gpu_pool.layout import PRESETS, KVLayout, parse_bytes
 from radixkv.errors import RadixKVError
@@ -101,13 +102,29 @@ def cmd_clear(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="radixkv",
-        description="radixkv: a prefix KV-cache service for LLM inference engines.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def cmd_view(args: argparse.Namespace) -> int:
+    from radixkv.cli.inspector import run
 
+    return run(args)
+
+
+def _connection_flags(suppress: bool) -> argparse.ArgumentParser:
+    # Sub-views repeat these flags with SUPPRESS defaults so that `inspect --json tree X`
+    # and `inspect tree X --json` both work (a subparser's defaults would overwrite).
+    d = argparse.SUPPRESS if suppress else None
+    c = argparse.ArgumentParser(add_help=False)
+    where = c.add_mutually_exclusive_group()
+    where.add_argument("--socket", metavar="PATH", default=d,
+                       help="the service's Unix socket (default: as the client resolves it)")
+    where.add_argument("--target", metavar="TARGET", default=d,
+                       help="a gRPC target instead, e.g. unix:///path or 127.0.0.1:50051")
+    c.add_argument("--json", action="store_true", default=d or False,
+                   help="machine-readable output")
+    return c
+
+
+def _add_calc(sub: Any) -> None:
+    """`radixkv calc`."""
     p = sub.add_parser("calc", help="KV-cache memory calculator",
                        description="Bytes per token and block, per context, per N requests, "
                        "and how many tokens fit in a memory budget, at the model's dtype and "
@@ -119,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_calc)
 
+
+def _add_serve(sub: Any) -> None:
+    """`radixkv serve`: pool, service and transport flags."""
     p = sub.add_parser("serve", help="run the service",
                        description="Run the radixkv service: one block pool (host shared memory "
                        "or CUDA), a radix tree per namespace, gRPC on a Unix socket. Stops on "
@@ -165,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
+
+def _add_demo(sub: Any) -> None:
+    """`radixkv demo`."""
     p = sub.add_parser("demo", help="start the service on its defaults and show it working",
                        description="The main job in one command: the memory calculator, the "
                        "radix tree on a synthetic chat workload, then the service (host pool, "
@@ -175,59 +198,52 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the two-engine stage (needs the `hf` extra: transformers)")
     p.set_defaults(func=cmd_demo)
 
-    # ---- inspect / stats / events: read-only views through the client (radixkv/cli/inspector.py)
-    def run_view(args: argparse.Namespace) -> int:
-        from radixkv.cli.inspector import run
 
-        return run(args)
-
-    def conn(suppress: bool) -> argparse.ArgumentParser:
-        # Sub-views repeat these flags with SUPPRESS defaults so that `inspect --json tree X`
-        # and `inspect tree X --json` both work (a subparser's defaults would overwrite).
-        d = argparse.SUPPRESS if suppress else None
-        c = argparse.ArgumentParser(add_help=False)
-        where = c.add_mutually_exclusive_group()
-        where.add_argument("--socket", metavar="PATH", default=d,
-                           help="the service's Unix socket (default: as the client resolves it)")
-        where.add_argument("--target", metavar="TARGET", default=d,
-                           help="a gRPC target instead, e.g. unix:///path or 127.0.0.1:50051")
-        c.add_argument("--json", action="store_true", default=d or False,
-                       help="machine-readable output")
-        return c
-
-    p = sub.add_parser("inspect", parents=[conn(False)], help="look into a running cache",
+def _add_views(sub: Any) -> None:
+    """`radixkv inspect | stats | events`: read-only views through the client
+    (radixkv/cli/inspector.py)."""
+    conn, view_conn = [_connection_flags(False)], [_connection_flags(True)]
+    p = sub.add_parser("inspect", parents=conn, help="look into a running cache",
                        description="Views of a running service: the summary (default), one "
                        "namespace's radix tree, or its hottest prefixes.")
     views = p.add_subparsers(dest="view", metavar="VIEW")
-    views.add_parser("summary", parents=[conn(True)], help="pool, hit rates, namespaces")
-    v = views.add_parser("tree", parents=[conn(True)], help="one namespace's radix tree")
+    views.add_parser("summary", parents=view_conn, help="pool, hit rates, namespaces")
+    v = views.add_parser("tree", parents=view_conn, help="one namespace's radix tree")
     v.add_argument("namespace")
     v.add_argument("--depth", type=int, default=0, help="edges to show (0: all)")
-    v = views.add_parser("top", parents=[conn(True)], help="hottest prefixes of a namespace",
+    v = views.add_parser("top", parents=view_conn, help="hottest prefixes of a namespace",
                          description="Prefixes ranked by hits (matches that reused them) or "
                          "tokens saved (hits x prefix tokens).")
     v.add_argument("namespace")
     v.add_argument("--by", choices=["hits", "tokens-saved"], default="hits")
     v.add_argument("-n", type=int, default=10, help="how many (10)")
-    p.set_defaults(func=run_view)
-    p = sub.add_parser("stats", parents=[conn(False)], help="the cache summary, once or live")
+    p.set_defaults(func=cmd_view)
+    p = sub.add_parser("stats", parents=conn, help="the cache summary, once or live")
     p.add_argument("--watch", type=float, default=0, metavar="SECONDS",
                    help="refresh every SECONDS until Ctrl-C")
-    p.set_defaults(func=run_view)
-    p = sub.add_parser("events", parents=[conn(False)], help="tail the KV event stream")
+    p.set_defaults(func=cmd_view)
+    p = sub.add_parser("events", parents=conn, help="tail the KV event stream")
     p.add_argument("--from", dest="from_sequence", type=int, default=0, metavar="SEQ",
                    help="replay from this sequence number if still buffered (default: new only)")
     p.add_argument("--namespace", default="", help="only this namespace's events")
     p.add_argument("--count", type=int, default=0, help="exit after this many events")
     p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds")
-    p.set_defaults(func=run_view)
-    p = sub.add_parser("clear", parents=[conn(False)], help="drop one namespace's cache",
+    p.set_defaults(func=cmd_view)
+
+
+def _add_clear(sub: Any) -> None:
+    """`radixkv clear`."""
+    conn = [_connection_flags(False)]
+    p = sub.add_parser("clear", parents=conn, help="drop one namespace's cache",
                        description="Free every cached block of a namespace and forget it "
                        "(emits AllBlocksCleared). Refused while a lease holds blocks in it.")
     p.add_argument("namespace")
     p.set_defaults(func=cmd_clear)
 
-    # ---- replay: a trace against a real service, verified, beside the optimum (replay/runner.py)
+
+def _add_replay(sub: Any) -> None:
+    """`radixkv replay`: a trace against a real service, verified, beside the optimum
+    (radixkv/replay/runner.py)."""
     from radixkv.replay import runner as replay
 
     p = sub.add_parser("replay", help="replay a request trace against the service",
@@ -238,6 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_arguments(p)
     p.set_defaults(func=replay.main)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixkv",
+        description="radixkv: a prefix KV-cache service for LLM inference engines.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_calc, _add_serve, _add_demo, _add_views, _add_clear, _add_replay):
+        add(sub)
     return parser
 
 

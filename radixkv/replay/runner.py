@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,21 @@ def _count_requests(source: Iterable[Request] | str | Path, limit: int | None) -
     return n if limit is None else min(n, limit)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    """How a replay runs: `run_replay`'s arguments once checked."""
+
+    name: str  # the trace's name in the report
+    clients: int
+    policy: str
+    speed: float  # 0: as fast as possible; else trace time divided by this
+    verify: bool
+    prefill_tokens_per_s: float
+    num_windows: int  # hit-rate-over-time windows in the report
+    progress: bool
+    total: int | None  # requests expected (None: unknown), for the progress bar
+
+
 def run_replay(
     requests: Iterable[Request] | str | Path,
     *,
@@ -155,28 +171,30 @@ def run_replay(
         raise InvalidArgument(f"clients must be >= 1, got {clients}")
     if speed < 0 or prefill_tokens_per_s <= 0:
         raise InvalidArgument("speed must be >= 0 and prefill_tokens_per_s > 0")
-    name = trace_name or (str(requests) if isinstance(requests, str | Path) else "requests")
-    total = _count_requests(requests, limit)
+    opts = ReplayOptions(
+        trace_name or (str(requests) if isinstance(requests, str | Path) else "requests"),
+        clients, policy, speed, verify, prefill_tokens_per_s, num_windows, progress,
+        _count_requests(requests, limit))
     source: Iterable[Request] = (
         iter_trace(requests, limit) if isinstance(requests, str | Path) else
         (requests if limit is None else (r for i, r in zip(range(limit), requests, strict=False)))
     )
     if target is not None:
-        return _run(source, target, None, name, clients, policy, speed, verify,
-                    prefill_tokens_per_s, num_windows, progress, total)
+        return _run(source, target, None, opts)
     if block_size < 1 or capacity_blocks < 1:
         raise InvalidArgument("block_size and capacity_blocks must be >= 1")
     with start_service(block_size, capacity_blocks, policy) as sock:
-        return _run(source, sock, (block_size, capacity_blocks), name, clients, policy, speed,
-                    verify, prefill_tokens_per_s, num_windows, progress, total)
+        return _run(source, sock, (block_size, capacity_blocks), opts)
 
 
-def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None, name: str,
-         clients: int, policy: str, speed: float, verify: bool, rate: float, num_windows: int,
-         progress: bool, total: int | None) -> ReplayReport:
+def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
+         opts: ReplayOptions) -> ReplayReport:
+    """Replay `source` against the service at `target` (`own`: the block size and capacity of
+    a service started for the run, else None) from `opts.clients` spawned processes."""
     from radixkv.client import Client
 
     notes: list[str] = []
+    policy = opts.policy
     with Client(target) as kv:
         kv.wait_ready()
         info = kv.pool_info()
@@ -188,7 +206,7 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None, na
             policy = f"{policy} (as configured on the server)"
         else:
             prefix = ""
-        if verify and info.layout.bytes_per_block < 8:
+        if opts.verify and info.layout.bytes_per_block < 8:
             raise InvalidArgument(f"verification needs >= 8 bytes per block, the pool has "
                                   f"{info.layout.bytes_per_block}; use --no-verify")
         before = kv.stats()
@@ -198,45 +216,25 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None, na
         results = ctx.Queue()
         done = ctx.Value("q", 0)
         start = ctx.Value("d", 0.0)
-        barrier = ctx.Barrier(clients + 1)
-        args = ClientArgs(target, block_size, capacity, verify, speed)
+        barrier = ctx.Barrier(opts.clients + 1)
+        args = ClientArgs(target, block_size, capacity, opts.verify, opts.speed)
         procs = [ctx.Process(target=client_main, args=(args, jobs, results, done, barrier,
                                                         start), daemon=True)
-                 for _ in range(clients)]
+                 for _ in range(opts.clients)]
         for p in procs:
             p.start()
         trace = TraceLog()
         stop = threading.Event()
-        feeder = threading.Thread(target=_feed, args=(source, block_size, prefix, jobs, clients,
-                                                      trace, stop), daemon=True)
+        feeder = threading.Thread(target=_feed, args=(source, block_size, prefix, jobs,
+                                                      opts.clients, trace, stop), daemon=True)
         feeder.start()
-        outs: list[dict[str, Any]] = []
-        peak = 0
         try:
             try:
                 barrier.wait(timeout=300)
             except threading.BrokenBarrierError:
                 pass  # a client failed to start: its error is in the results
-            t0 = start.value = time.time()  # the clients wait for it: trace time 0
-            bar = _progress(progress, total)
-            next_poll = 0.0
-            while len(outs) < clients:
-                try:
-                    outs.append(results.get(timeout=0.1))
-                    if "error" in outs[-1]:
-                        raise RadixKVError("a replay client failed:\n" + outs[-1]["error"])
-                except queue.Empty:
-                    if all(not p.is_alive() for p in procs) and results.empty():
-                        raise RadixKVError("replay clients exited without a result") from None
-                if time.monotonic() >= next_poll:  # peak occupancy, sampled
-                    peak = max(peak, int(kv.stats()["cached_blocks"]))
-                    next_poll = time.monotonic() + 0.25
-                if bar is not None:
-                    bar[0].update(bar[1], completed=done.value)
-            if bar is not None:
-                bar[0].update(bar[1], completed=done.value)
-                bar[0].stop()
-            wall = max(o["finished"] for o in outs) - t0
+            start.value = time.time()  # the clients wait for it: trace time 0
+            outs, wall, peak = _collect(kv, procs, results, done, start.value, opts)
         finally:
             stop.set()
             jobs.cancel_join_thread()  # on an error, unsent jobs must not block our exit
@@ -249,9 +247,37 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None, na
             raise trace.error
         after = kv.stats(check_integrity=own is not None)
     peak = max(peak, int(after["cached_blocks"]))
-    run = RunConfig(name, "" if own is not None else target, policy, block_size, capacity,
-                    clients, speed, verify, rate, num_windows, prefix)
+    run = RunConfig(opts.name, "" if own is not None else target, policy, block_size, capacity,
+                    opts.clients, opts.speed, opts.verify, opts.prefill_tokens_per_s,
+                    opts.num_windows, prefix)
     return build_report(run, trace, outs, wall, before, after, peak, notes)
+
+
+def _collect(kv: Any, procs: list[Any], results: Any, done: Any, t0: float,
+             opts: ReplayOptions) -> tuple[list[dict[str, Any]], float, int]:
+    """Wait for every client's result, sampling the cache's peak occupancy and driving the
+    progress bar. Returns (results, wall seconds, peak cached blocks)."""
+    outs: list[dict[str, Any]] = []
+    peak = 0
+    bar = _progress(opts.progress, opts.total)
+    next_poll = 0.0
+    while len(outs) < opts.clients:
+        try:
+            outs.append(results.get(timeout=0.1))
+            if "error" in outs[-1]:
+                raise RadixKVError("a replay client failed:\n" + outs[-1]["error"])
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                raise RadixKVError("replay clients exited without a result") from None
+        if time.monotonic() >= next_poll:  # peak occupancy, sampled
+            peak = max(peak, int(kv.stats()["cached_blocks"]))
+            next_poll = time.monotonic() + 0.25
+        if bar is not None:
+            bar[0].update(bar[1], completed=done.value)
+    if bar is not None:
+        bar[0].update(bar[1], completed=done.value)
+        bar[0].stop()
+    return outs, max(o["finished"] for o in outs) - t0, peak
 
 
 def _progress(enabled: bool, total: int | None) -> tuple[Any, Any] | None:

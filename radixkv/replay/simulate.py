@@ -68,6 +68,26 @@ class ReplayResult:
     per_request_hit_tokens: tuple[int, ...] | None
 
 
+class _FreeList:
+    """The pool as a free list of `capacity` ids: 0, 1, ... first; returned ids are reused
+    last-in first-out (steps 2-3 of the module docstring)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._ids = list(range(capacity - 1, -1, -1))  # pop() from the end hands out 0, 1, ...
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def take(self, n: int) -> tuple[int, ...]:
+        """The next `n` ids (n <= len(self))."""
+        ids = self._ids[len(self._ids) - n :][::-1]
+        del self._ids[len(self._ids) - n :]
+        return tuple(ids)
+
+    def give(self, ids: Iterable[int]) -> None:
+        self._ids += ids
+
+
 def replay_tree(
     requests: Iterable[Request],
     block_size: int,
@@ -81,9 +101,9 @@ def replay_tree(
         raise InvalidArgument(f"capacity_blocks must be >= 0, got {capacity_blocks}")
     tree = RadixTree(block_size, policy, record_events=False)
     bb = block_bytes(block_size)
-    free = list(range(capacity_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
+    free = _FreeList(capacity_blocks)
     namespace: str | None = None
-    prompt_tokens = cacheable = hits = evicted = dropped = peak = 0
+    prompt_tokens = cacheable = evicted = dropped = peak = 0
     match_ns: list[int] = []
     insert_ns: list[int] = []
     per_request: list[int] = []
@@ -99,32 +119,30 @@ def replay_tree(
         tokens = req.tokens
         num_blocks = len(tokens) // bb
         t0 = clock()
-        m = tree.match(tokens)
+        m = tree.match(tokens)  # step 1
         t1 = clock()
         tree.lock(m.handle)
-        matched = len(m.block_ids)
-        need = num_blocks - matched
+        need = num_blocks - len(m.block_ids)  # step 2
         if need > len(free):
             gone = tree.evict(need - len(free))
             evicted += len(gone)
-            free += gone
-        take = min(need, len(free))
-        new_ids = free[len(free) - take :][::-1]
-        del free[len(free) - take :]
+            free.give(gone)
+        new_ids = free.take(min(need, len(free)))  # step 3
         t2 = clock()
-        res = tree.insert(tokens[: (matched + take) * bb], m.block_ids + tuple(new_ids))
+        res = tree.insert(tokens[: (len(m.block_ids) + len(new_ids)) * bb],  # step 4
+                          m.block_ids + new_ids)
         t3 = clock()
-        free += res.duplicates
-        tree.unlock(m.handle)
+        free.give(res.duplicates)
+        tree.unlock(m.handle)  # step 5
         busy_ns += clock() - t0
         match_ns.append(t1 - t0)
         insert_ns.append(t3 - t2)
-        dropped += need - take
+        dropped += need - len(new_ids)
         peak = max(peak, tree.num_cached_blocks)
         prompt_tokens += num_tokens(tokens)
         cacheable += num_blocks * block_size
-        hits += m.num_tokens
         per_request.append(m.num_tokens)
+    hits = sum(per_request)
     wall_s = busy_ns / 1e9
     return ReplayResult(
         policy=policy,

@@ -5,30 +5,49 @@ calls and 3,450 with 2 (the raw echo floor: 3,650). Python runs one thread at a 
 call threads only hand the GIL back and forth. A server stream (Events, health Watch, reflection)
 holds its thread for its whole life, mostly waiting: those run on their own pool, so subscribers
 never take the threads calls need.
+
+grpcio offers no public way to tell a stream's work from a call's when it submits to the
+executor. It submits the private `grpc._server._stream_response_in_pool` for every handler that
+streams its response; that name is the one dependency on grpcio's internals, read only by
+`stream_behaviour()`. If a grpcio release renames it, streams fall back to the call pool (still
+correct, less isolated), a warning says so at start, and `tests/test_executor.py` fails.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
-import grpc._server  # the behaviours the server submits; see _STREAM_BEHAVIOURS
+log = logging.getLogger("radixkv.server")
 
-# grpcio runs streaming-response handlers through this function; if a grpcio release renames it,
-# streams fall back to the call pool (still correct, less isolated; a test would notice).
-_STREAM_BEHAVIOURS = {getattr(grpc._server, "_stream_response_in_pool", None)} - {None}
+
+def stream_behaviour() -> Callable[..., Any] | None:
+    """The function grpcio's sync server submits to run a streaming-response handler, or None
+    if this grpcio has no such private function."""
+    import grpc._server
+
+    fn = getattr(grpc._server, "_stream_response_in_pool", None)
+    return fn if callable(fn) else None
 
 
 class SplitExecutor(Executor):
+    """Routes grpcio's stream handlers to `stream_workers` threads named radixkv-stream-*, and
+    everything else to `call_workers` threads named radixkv-call-*."""
+
     def __init__(self, call_workers: int, stream_workers: int) -> None:
         self._calls = ThreadPoolExecutor(call_workers, thread_name_prefix="radixkv-call")
         self._streams = ThreadPoolExecutor(stream_workers, thread_name_prefix="radixkv-stream")
+        self._stream_fn = stream_behaviour()
+        if self._stream_fn is None:
+            log.warning("grpc._server._stream_response_in_pool is gone in this grpcio: server "
+                        "streams share the %d call threads", call_workers)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         # grpcio submits `contextvars.Context.run` with the behaviour as its first argument
         behaviour = args[0] if args else fn
-        stream = fn in _STREAM_BEHAVIOURS or behaviour in _STREAM_BEHAVIOURS
+        stream = self._stream_fn is not None and self._stream_fn in (fn, behaviour)
         return (self._streams if stream else self._calls).submit(fn, *args, **kwargs)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
