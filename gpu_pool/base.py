@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
-from gpu_pool.errors import InvalidArgument, OutOfBlocks, PoolError
+from gpu_pool.errors import IntegrityError, InvalidArgument, OutOfBlocks
 from gpu_pool.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -360,19 +360,19 @@ class BlockPool(_Slab):
             self._free.extend(ids)
 
     def check_integrity(self) -> None:
-        """Raise PoolError unless: the free list holds distinct in-range ids, exactly those
+        """Raise IntegrityError unless: the free list holds distinct in-range ids, exactly those
         marked free, so allocated == num_blocks - num_free."""
         with self._lock:
             free = list(self._free)
             marked = sum(self._is_free)
             distinct = set(free)
             if len(distinct) != len(free):
-                raise PoolError(f"free list holds {len(free) - len(distinct)} duplicate ids")
+                raise IntegrityError(f"free list holds {len(free) - len(distinct)} duplicate ids")
             bad = [i for i in free if not 0 <= i < self.num_blocks]
             if bad:
-                raise PoolError(f"free list holds out-of-range ids {bad[:8]}")
+                raise IntegrityError(f"free list holds out-of-range ids {bad[:8]}")
             if marked != len(free) or any(not self._is_free[i] for i in free):
-                raise PoolError(
+                raise IntegrityError(
                     f"free list holds {len(free)} ids but {marked} blocks are marked free"
                 )
 

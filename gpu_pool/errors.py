@@ -38,3 +38,9 @@ class Unavailable(PoolError):
     """The pool's memory cannot be reached, or a needed device (GPU, CuPy) is missing."""
 
     code = "UNAVAILABLE"
+
+
+class IntegrityError(PoolError):
+    """A broken invariant: the pool's (or the cache's) accounting is corrupt."""
+
+    code = "DATA_LOSS"

@@ -4,7 +4,7 @@
         with kv.lease("llama3@rev1", prompt) as lease:
             cached = lease.num_tokens          # tokens whose KV is already in the pool
             ids = lease.allocate(n_new_blocks) # blocks to write the rest into
-            scatter(kv.pool().view(), ids, k, v)   # engine writes KV (sync first on GPU)
+            scatter(lease.view(), ids, k, v)   # engine writes KV (sync first on GPU)
             lease.insert(prompt, lease.block_ids + ids)
         # leaving the block releases the lease
 
@@ -91,6 +91,9 @@ class PoolInfo:
     layout: KVLayout
     handle: PoolHandle
     max_tokens: int
+    max_batch: int = 0  # most queries / items / ids per call (0: an older server, unknown)
+    lease_ttl_s: float = 0.0
+    max_lease_ttl_s: float = 0.0
 
     @property
     def epoch(self) -> str:
@@ -104,9 +107,9 @@ def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
         "backend": r.backend, "name": r.shm_name, "nbytes": r.nbytes,
         "num_blocks": r.num_blocks, "layout": layout.to_dict(), "epoch": r.epoch,
         "ipc_handle": base64.b64encode(r.ipc_handle).decode(), "device_id": r.device_id,
-        "device_uuid": r.device_uuid,
+        "device_uuid": r.device_uuid, "owner_pid": r.owner_pid,
     })
-    return PoolInfo(layout, handle, r.max_tokens)
+    return PoolInfo(layout, handle, r.max_tokens, r.max_batch, r.lease_ttl_s, r.max_lease_ttl_s)
 
 
 class Client:
@@ -203,7 +206,9 @@ class Client:
             self._mapping = None
 
     def pool(self, refresh: bool = False) -> PoolMapping:
-        """The service's block pool mapped into this process (zero-copy), attached once."""
+        """The service's block pool mapped into this process (zero-copy), attached once.
+        Block ids are valid only in the mapping of the epoch that gave them: prefer
+        `Lease.view()`, which checks, over holding this mapping's views across calls."""
         if refresh or self._info is None:
             self.check_epoch()
         if self._mapping is None:
@@ -211,38 +216,54 @@ class Client:
             self._mapping = attach(self._info.handle)
         return self._mapping
 
+    def pool_of(self, epoch: str) -> PoolMapping:
+        """The pool mapping of `epoch`; StalePool if the service has restarted since (its
+        block ids and KV are gone)."""
+        mapping = self.pool()
+        if mapping.epoch != epoch:
+            raise errors.StalePool(f"pool epoch {epoch} is gone: the service restarted (now "
+                                   f"{mapping.epoch}); match the prompt again")
+        return mapping
+
     # ---- the request path --------------------------------------------------------------------
 
-    def match(self, namespace: str, tokens: Any) -> LeaseMatch:
-        return self.match_many([(namespace, tokens)])[0]
+    def match(self, namespace: str, tokens: Any, ttl: float = 0.0) -> LeaseMatch:
+        return self.match_many([(namespace, tokens)], ttl)[0]
 
-    def match_many(self, queries: Sequence[tuple[str, Any]]) -> list[LeaseMatch]:
-        """One call for several prompts; each result holds its own lease."""
-        req = pb.MatchRequest(client_id=self.client_id)
+    def match_many(self, queries: Sequence[tuple[str, Any]],
+                   ttl: float = 0.0) -> list[LeaseMatch]:
+        """One call for several prompts; each result holds its own lease (TTL `ttl` seconds
+        within the server's cap; 0: the server's default)."""
+        req = pb.MatchRequest(client_id=self.client_id, lease_ttl_s=ttl)
         add = req.queries.add  # ~1 us less per query than building a list (upb)
         for ns, t in queries:
             add(namespace=ns, tokens=to_token_bytes(t))
         resp = self._call("Match", req)
         self._note_epoch(resp.epoch)
-        return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids))
+        return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), resp.epoch)
                 for r in resp.results]
 
-    def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "") -> Allocation:
+    def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "",
+                 ttl: float = 0.0) -> Allocation:
         resp = self._call("Allocate", pb.AllocateRequest(
             client_id=self.client_id, lease_id=lease_id, namespace=namespace,
-            num_blocks=num_blocks))
+            num_blocks=num_blocks, lease_ttl_s=ttl))
         self._note_epoch(resp.epoch)
-        return Allocation(resp.lease_id, ids_from_bytes(resp.block_ids), resp.num_evicted)
+        return Allocation(resp.lease_id, ids_from_bytes(resp.block_ids), resp.num_evicted,
+                          resp.epoch)
 
     def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],
-               lease_id: int) -> InsertResult:
-        return self.insert_many([(namespace, tokens, block_ids, lease_id)])[0]
+               lease_id: int, epoch: str = "") -> InsertResult:
+        return self.insert_many([(namespace, tokens, block_ids, lease_id)], epoch)[0]
 
-    def insert_many(self, items: Sequence[tuple[str, Any, Sequence[int], int]]
-                    ) -> list[InsertResult]:
+    def insert_many(self, items: Sequence[tuple[str, Any, Sequence[int], int]],
+                    epoch: str = "") -> list[InsertResult]:
+        """Commit written blocks, all items or none. `epoch`: the pool epoch the blocks were
+        allocated and written under (LeaseMatch.epoch / Allocation.epoch); the service refuses
+        them with StalePool if it restarted since, so no block of a dead pool gets cached."""
         req = pb.InsertRequest(client_id=self.client_id, items=[
             pb.InsertItem(namespace=ns, tokens=to_token_bytes(t), block_ids=to_token_bytes(ids),
-                          lease_id=lid)
+                          lease_id=lid, epoch=epoch)
             for ns, t, ids, lid in items])
         resp = self._call("Insert", req)
         return [InsertResult(ids_from_bytes(r.adopted), ids_from_bytes(r.duplicates),
@@ -254,9 +275,15 @@ class Client:
         req = pb.ReleaseRequest(client_id=self.client_id, lease_ids=lease_ids)
         return int(self._call("Release", req).num_freed)
 
-    def lease(self, namespace: str, tokens: Any) -> Lease:
+    def keep_alive(self, *lease_ids: int, ttl: float = 0.0) -> float:
+        """Renew leases (for `ttl` seconds within the server's cap; 0: each lease's own TTL)
+        without other work. Returns the shortest TTL granted."""
+        req = pb.KeepAliveRequest(client_id=self.client_id, lease_ids=lease_ids, lease_ttl_s=ttl)
+        return float(self._call("KeepAlive", req).ttl_s)
+
+    def lease(self, namespace: str, tokens: Any, ttl: float = 0.0) -> Lease:
         """Match `tokens` and hold the lease for a `with` block."""
-        return Lease(self, namespace, tokens)
+        return Lease(self, namespace, tokens, ttl)
 
     # ---- inspection --------------------------------------------------------------------------
 
@@ -280,14 +307,16 @@ class Client:
         return nodes, resp.last_sequence
 
     def events(self, from_sequence: int = 0, namespace: str = "",
-               timeout: float | None = None) -> Iterator[pb.Event]:
+               timeout: float | None = None, epoch: str = "") -> Iterator[pb.Event]:
         """Stream of block events (from `from_sequence` if still buffered; 0: from now on),
         ending quietly after `timeout` s. An event with `lagged` set (the stream's last) means
         events were missed: rebuild from `dump_tree` and resume after its last sequence.
+        Each event carries the service's epoch; resuming with `epoch` set (the one the
+        sequence numbers came with) raises StalePool if the service restarted since.
         Closing the iterator (or leaving a loop over it) cancels the call."""
         call = self._stub.Events(pb.EventsRequest(from_sequence=from_sequence,
-                                                  namespace=namespace), timeout=timeout,
-                                 metadata=self._metadata)
+                                                  namespace=namespace, epoch=epoch),
+                                 timeout=timeout, metadata=self._metadata)
         try:
             yield from call
         except grpc.RpcError as e:
@@ -309,22 +338,37 @@ class Client:
 
 
 class Lease:
-    """A matched prompt's lease: pins the cached prefix; allocate, insert; released on exit."""
+    """A matched prompt's lease: pins the cached prefix; allocate, insert; released on exit.
 
-    def __init__(self, client: Client, namespace: str, tokens: Any) -> None:
+    Its block ids belong to the pool epoch of its Match: `view()` maps that pool (StalePool
+    if the service restarted since) and `insert` tells the service the epoch, so KV written
+    into a dead pool is never cached. On a GPU pool, synchronize reads and writes before
+    `insert` and `release`: once released, its blocks may be evicted and reused."""
+
+    def __init__(self, client: Client, namespace: str, tokens: Any, ttl: float = 0.0) -> None:
         self.client = client
         self.namespace = namespace
-        m = client.match(namespace, tokens)
+        m = client.match(namespace, tokens, ttl)
         self.lease_id = m.lease_id
         self.num_tokens = m.num_tokens
         self.block_ids = m.block_ids
+        self.epoch = m.epoch
         self.released = False
+
+    def view(self) -> Any:
+        """The pool's blocks as one zero-copy tensor (`PoolMapping.view()`) of this lease's
+        epoch; StalePool if the service restarted since the Match."""
+        return self.client.pool_of(self.epoch).view()
 
     def allocate(self, num_blocks: int) -> tuple[int, ...]:
         return self.client.allocate(num_blocks, lease_id=self.lease_id).block_ids
 
+    def keep_alive(self, ttl: float = 0.0) -> float:
+        """Renew this lease (e.g. during a long forward pass); returns the TTL granted."""
+        return self.client.keep_alive(self.lease_id, ttl=ttl)
+
     def insert(self, tokens: Any, block_ids: Sequence[int]) -> InsertResult:
-        return self.client.insert(self.namespace, tokens, block_ids, self.lease_id)
+        return self.client.insert(self.namespace, tokens, block_ids, self.lease_id, self.epoch)
 
     def release(self) -> int:
         if self.released:

@@ -6,6 +6,7 @@ back to these classes."""
 from __future__ import annotations
 
 from gpu_pool.errors import (
+    IntegrityError,
     InvalidArgument,
     OutOfBlocks,
     PermissionDenied,
@@ -52,6 +53,12 @@ class AlreadyExists(RadixKVError):
     code = "ALREADY_EXISTS"
 
 
+class LimitExceeded(RadixKVError):
+    """A per-service or per-client limit: namespaces, live leases of one client."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 ALL_ERRORS: tuple[type[RadixKVError], ...] = (
     InvalidArgument,
     NotFound,
@@ -63,14 +70,18 @@ ALL_ERRORS: tuple[type[RadixKVError], ...] = (
     OutOfBlocks,
     StalePool,
     Unavailable,
+    IntegrityError,
+    LimitExceeded,
 )
 
 __all__ = [
     "ALL_ERRORS",
     "AlreadyExists",
     "FailedPrecondition",
+    "IntegrityError",
     "InvalidArgument",
     "LeaseExpired",
+    "LimitExceeded",
     "NotFound",
     "OutOfBlocks",
     "PermissionDenied",

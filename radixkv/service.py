@@ -14,8 +14,15 @@ A request's life (each step is one call, each renews the lease's TTL):
     insert(L, ns, tokens, ids)-> new blocks adopted by the tree, duplicates freed; L pins the path
     release(L)                -> unpin; leased blocks never inserted are freed
 
-A lease not used for `lease_ttl_s` expires (the server's sweeper calls `expire_leases`): its
-pins are dropped and its leased blocks freed; a later call naming it gets LeaseExpired.
+A lease not used for its TTL (`lease_ttl_s`, or what Match / Allocate asked for, capped at
+`max_lease_ttl_s`) expires (the server's sweeper calls `expire_leases`): its pins are dropped and
+its leased blocks freed; a later call naming it gets LeaseExpired. `keep_alive` renews leases
+without other work, for an engine whose forward pass outlasts the TTL.
+
+Every call either does all it says or, when it raises, changes nothing: batches (match_many,
+insert_many) are validated whole before the first effect; a failed allocate opens no lease.
+A namespace lives while it holds blocks or leases; an empty one is dropped (its lifetime
+counters stay in the service totals).
 All public methods take one lock: the tree and pool are not thread-safe, and the work per call
 is microseconds, so finer locking would not pay on CPython.
 """
@@ -27,7 +34,7 @@ import itertools
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,8 +44,10 @@ from gpu_pool.base import BlockPool, PoolHandle
 from radixkv.errors import (
     AlreadyExists,
     FailedPrecondition,
+    IntegrityError,
     InvalidArgument,
     LeaseExpired,
+    LimitExceeded,
     NotFound,
     OutOfBlocks,
     PermissionDenied,
@@ -48,6 +57,8 @@ from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 MAX_NAMESPACE_LEN = 256
+# Namespace names: printable ASCII without spaces ("llama3-8b@rev1", "tenant-a/chat:v2").
+NAMESPACE_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
 EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to tell "expired" from "unknown"
 
 
@@ -57,6 +68,8 @@ class ServiceConfig:
     max_tokens: int = 1 << 20  # per token list
     vocab_size: int | None = None  # when set, token ids must be < vocab_size
     max_namespaces: int = 1024
+    max_leases_per_client: int = 4096  # live leases one client_id may hold
+    max_lease_ttl_s: float = 3600.0  # the longest TTL a call may ask for
     policy: str = "lru"
     event_buffer: int = 65536
     recent_window: int = 1000  # requests in the "recent" hit rate
@@ -69,6 +82,7 @@ class LeaseMatch:
     lease_id: int
     num_tokens: int
     block_ids: tuple[int, ...]
+    epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +92,7 @@ class Allocation:
     lease_id: int
     block_ids: tuple[int, ...]
     num_evicted: int
+    epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,18 +132,33 @@ class _Lease:
     owner: str
     namespace: str
     expires_at: float
+    ttl_s: float
     handles: list[object] = field(default_factory=list)  # tree lock handles
     owned: dict[int, None] = field(default_factory=dict)  # leased block ids, in order
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Lifetime request counters (of a namespace, or of the namespaces already dropped)."""
+
+    requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_blocks: int = 0
+
+    def add(self, other: _Counters) -> None:
+        self.requests += other.requests
+        self.query_tokens += other.query_tokens
+        self.hit_tokens += other.hit_tokens
+        self.evicted_blocks += other.evicted_blocks
 
 
 @dataclass(slots=True)
 class _Namespace:
     name: str
     tree: RadixTree
-    requests: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    evicted_blocks: int = 0
+    num_leases: int = 0  # live leases in this namespace
+    life: _Counters = field(default_factory=_Counters)
 
 
 class KVService:
@@ -149,6 +179,8 @@ class KVService:
         self._leases: dict[int, _Lease] = {}
         self._expired: OrderedDict[int, None] = OrderedDict()
         self._lease_of_block: dict[int, int] = {}
+        self._leases_of_owner: dict[str, int] = {}
+        self._retired = _Counters()  # lifetime counters of namespaces already dropped
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
         self._num_expired = 0
         self._ticks = itertools.count(1)  # one LRU clock for every namespace's tree
@@ -162,54 +194,74 @@ class KVService:
 
     # ---- the request path --------------------------------------------------------------------
 
-    def match(self, owner: str, namespace: str, tokens: bytes) -> LeaseMatch:
+    def match(self, owner: str, namespace: str, tokens: bytes,
+              ttl_s: float | None = None) -> LeaseMatch:
         """Longest cached prefix of `tokens` in `namespace`; opens a lease that pins it."""
-        return self.match_many(owner, [(namespace, tokens)])[0]
+        return self.match_many(owner, [(namespace, tokens)], ttl_s)[0]
 
-    def match_many(self, owner: str, queries: Sequence[tuple[str, bytes]]) -> list[LeaseMatch]:
-        """Batched match. All queries are validated before any lease opens."""
+    def match_many(self, owner: str, queries: Sequence[tuple[str, bytes]],
+                   ttl_s: float | None = None) -> list[LeaseMatch]:
+        """Batched match, one lease per query (`ttl_s`: their TTL, None for the default). Every
+        query and limit is checked before the first lease opens: a failed batch changes
+        nothing."""
         for namespace, tokens in queries:
             self._check_namespace(namespace)
             self._check_tokens(tokens)
+        ttl = self._ttl(ttl_s)
         out = []
+        epoch = self.pool.epoch
         with self._lock:
+            new_names = {name for name, _ in queries if name not in self._namespaces}
+            self._check_room_for(owner, len(queries), len(new_names))
             for namespace, tokens in queries:
                 ns = self._namespace(namespace)
-                lease = self._open_lease(owner, namespace)
+                lease = self._open_lease(owner, ns, ttl)
                 m = ns.tree.match(tokens)
                 if m.num_tokens:
                     ns.tree.lock(m.handle)
                     lease.handles.append(m.handle)
-                ns.requests += 1
-                ns.query_tokens += num_tokens(tokens)
-                ns.hit_tokens += m.num_tokens
-                self._recent.append((num_tokens(tokens), m.num_tokens))
-                out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids))
+                n = num_tokens(tokens)
+                ns.life.requests += 1
+                ns.life.query_tokens += n
+                ns.life.hit_tokens += m.num_tokens
+                self._recent.append((n, m.num_tokens))
+                out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids, epoch))
         return out
 
     def allocate(
-        self, owner: str, lease_id: int | None, namespace: str, num_blocks: int
+        self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
+        ttl_s: float | None = None,
     ) -> Allocation:
-        """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None),
-        evicting unpinned LRU leaves when the free list is short."""
+        """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None,
+        with TTL `ttl_s`), evicting unpinned LRU leaves when the free list is short. When it
+        raises (OutOfBlocks, ...), no lease was opened and nothing was evicted."""
         if not 0 < num_blocks <= self.pool.num_blocks:
             raise InvalidArgument(
                 f"num_blocks must be in 1..{self.pool.num_blocks}, got {num_blocks}")
+        ttl = self._ttl(ttl_s)
         with self._lock:
             if lease_id:
                 lease = self._get_lease(owner, lease_id)
                 if namespace and namespace != lease.namespace:
                     raise PermissionDenied(f"lease {lease_id} belongs to namespace "
                                            f"{lease.namespace!r}, not {namespace!r}")
+                num_evicted = self._make_room(num_blocks)
+                self._touch(lease)
             else:
                 self._check_namespace(namespace)
-                lease = self._open_lease(owner, namespace)
-            num_evicted = self._make_room(num_blocks)
+                self._check_room_for(owner, 1, namespace not in self._namespaces)
+                ns = self._namespace(namespace)
+                try:
+                    num_evicted = self._make_room(num_blocks, keep=ns)
+                except OutOfBlocks:
+                    self._drop_if_empty(ns)
+                    raise
+                lease = self._open_lease(owner, ns, ttl)
             ids = self.pool.alloc(num_blocks)
             for b in ids:
                 lease.owned[b] = None
                 self._lease_of_block[b] = lease.lease_id
-            return Allocation(lease.lease_id, tuple(ids), num_evicted)
+            return Allocation(lease.lease_id, tuple(ids), num_evicted, self.pool.epoch)
 
     def insert(
         self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int]
@@ -217,46 +269,36 @@ class KVService:
         """Commit `block_ids` (one per full block of `tokens`) into the namespace's tree. Each
         id must be leased to `lease_id` or be the id the tree already holds at that position.
         Prefixes already cached are not adopted: those leased blocks return to the free list."""
-        self._check_tokens(tokens)
-        num_full = num_tokens(tokens) // self.block_size
-        if len(block_ids) != num_full:
-            raise InvalidArgument(
-                f"{len(block_ids)} block ids for {num_full} full blocks "
-                f"({num_tokens(tokens)} tokens, block_size {self.block_size})")
-        if len(set(block_ids)) != len(block_ids):
-            raise InvalidArgument("block ids repeat within one insert")
-        for b in block_ids:
-            if not 0 <= b < self.pool.num_blocks:
-                raise InvalidArgument(f"block id {b} is out of range (pool has "
-                                      f"{self.pool.num_blocks} blocks)")
+        return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)])[0]
+
+    def insert_many(
+        self, owner: str, items: Sequence[tuple[int, str, bytes, Sequence[int]]]
+    ) -> list[InsertResult]:
+        """`insert` for each (lease_id, namespace, tokens, block_ids), all or nothing: every
+        item is checked against the state before the first one is applied, and a block id may
+        be claimed by one item only."""
+        for _, namespace, tokens, block_ids in items:
+            self._check_namespace(namespace)
+            self._check_insert(tokens, block_ids)
         with self._lock:
-            lease = self._get_lease(owner, lease_id)
-            if namespace != lease.namespace:
-                raise PermissionDenied(f"lease {lease_id} belongs to namespace "
-                                       f"{lease.namespace!r}, not {namespace!r}")
-            ns = self._namespace(namespace)
-            cached = ns.tree.match(tokens).block_ids
-            for i, b in enumerate(block_ids):
-                if b in lease.owned or (i < len(cached) and cached[i] == b):
-                    continue
-                if b in self._lease_of_block:
-                    raise PermissionDenied(f"block {b} is leased to another lease, not {lease_id}")
-                if self.pool.is_free(b):
-                    raise PermissionDenied(f"block {b} is not allocated to lease {lease_id}")
-                raise AlreadyExists(f"block {b} is already cached under another prefix")
-            result = ns.tree.insert(tokens, block_ids)
-            for b in result.adopted + result.duplicates:  # no longer the lease's
-                del lease.owned[b]
-                del self._lease_of_block[b]
-            if result.duplicates:
-                self.pool.free(list(result.duplicates))
-            # Pin what was inserted for the rest of the lease: the engine may still read it.
-            m = ns.tree.match(tokens)
-            if m.num_tokens:
-                ns.tree.lock(m.handle, hit=False)
-                lease.handles.append(m.handle)
-            self.events.publish(namespace, ns.tree.take_events())
-            return result
+            leases = [self._get_lease(owner, lease_id) for lease_id, *_ in items]
+            claimed: set[int] = set()
+            for lease, (_, namespace, tokens, block_ids) in zip(leases, items, strict=True):
+                self._check_claims(lease, namespace, tokens, block_ids, claimed)
+            return [self._apply_insert(lease, tokens, block_ids)
+                    for lease, (_, _, tokens, block_ids) in zip(leases, items, strict=True)]
+
+    def keep_alive(self, owner: str, lease_ids: Sequence[int],
+                   ttl_s: float | None = None) -> float:
+        """Renew leases (each for `ttl_s`, else its own TTL) without other work. All are
+        checked first. Returns the earliest new expiry, in seconds from now."""
+        ttl = self._ttl(ttl_s) if ttl_s else None
+        with self._lock:
+            leases = [self._get_lease(owner, lid) for lid in dict.fromkeys(lease_ids)]
+            for lease in leases:
+                lease.ttl_s = ttl or lease.ttl_s
+                self._touch(lease)
+            return min(lease.ttl_s for lease in leases)
 
     def release(self, owner: str, lease_ids: Sequence[int]) -> int:
         """End leases: unpin, free leased blocks never inserted. Returns blocks freed."""
@@ -271,15 +313,14 @@ class KVService:
             ns = self._namespaces.get(namespace)
             if ns is None:
                 raise NotFound(f"namespace {namespace!r} does not exist")
-            holders = sum(1 for lease in self._leases.values() if lease.namespace == namespace)
-            if holders:
+            if ns.num_leases:
                 raise FailedPrecondition(
-                    f"namespace {namespace!r} has {holders} live lease(s) "
+                    f"namespace {namespace!r} has {ns.num_leases} live lease(s) "
                     f"({ns.tree.num_locked_blocks} blocks pinned); release them first")
             freed = ns.tree.evict(ns.tree.num_cached_blocks)
             ns.tree.take_events()
             self.pool.free(freed)
-            del self._namespaces[namespace]
+            self._drop_namespace(ns)
             self.events.publish_cleared(namespace)
             return len(freed)
 
@@ -298,8 +339,13 @@ class KVService:
         with self._lock:
             spaces = tuple(
                 NamespaceStats(ns.name, ns.tree.num_cached_blocks, ns.tree.stats().num_nodes,
-                               ns.requests, ns.query_tokens, ns.hit_tokens, ns.evicted_blocks)
+                               ns.life.requests, ns.life.query_tokens, ns.life.hit_tokens,
+                               ns.life.evicted_blocks)
                 for ns in sorted(self._namespaces.values(), key=lambda n: n.name))
+            life = _Counters()  # namespaces dropped earlier still count
+            life.add(self._retired)
+            for ns in self._namespaces.values():
+                life.add(ns.life)
             cached = sum(ns.tree.num_cached_blocks for ns in self._namespaces.values())
             pinned = sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())
             return ServiceStats(
@@ -310,13 +356,13 @@ class KVService:
                 pinned_blocks=pinned,
                 live_leases=len(self._leases),
                 expired_leases=self._num_expired,
-                requests=sum(n.requests for n in spaces),
-                query_tokens=sum(n.query_tokens for n in spaces),
-                hit_tokens=sum(n.hit_tokens for n in spaces),
+                requests=life.requests,
+                query_tokens=life.query_tokens,
+                hit_tokens=life.hit_tokens,
                 recent_requests=len(self._recent),
                 recent_query_tokens=sum(q for q, _ in self._recent),
                 recent_hit_tokens=sum(h for _, h in self._recent),
-                evicted_blocks=sum(n.evicted_blocks for n in spaces),
+                evicted_blocks=life.evicted_blocks,
                 uptime_s=self._clock() - self._started,
                 namespaces=spaces,
             )
@@ -344,21 +390,34 @@ class KVService:
             return sorted(self._namespaces)
 
     def check_integrity(self) -> None:
-        """free + leased + cached == total, and each part's own invariants."""
+        """free + leased + cached == total, and each part's own invariants; IntegrityError
+        naming the first that fails (real checks: they hold under `python -O` too)."""
         with self._lock:
             self.pool.check_integrity()
             for ns in self._namespaces.values():
                 ns.tree.check_integrity()
             leased = sum(len(lease.owned) for lease in self._leases.values())
-            assert leased == len(self._lease_of_block), (leased, len(self._lease_of_block))
+            if leased != len(self._lease_of_block):
+                raise IntegrityError(f"leases own {leased} blocks, the block index holds "
+                                     f"{len(self._lease_of_block)}")
             for lease in self._leases.values():
                 for b in lease.owned:
-                    assert self._lease_of_block[b] == lease.lease_id, b
+                    if self._lease_of_block.get(b) != lease.lease_id:
+                        raise IntegrityError(f"block {b} of lease {lease.lease_id} is indexed "
+                                             f"to lease {self._lease_of_block.get(b)}")
             cached = sum(ns.tree.num_cached_blocks for ns in self._namespaces.values())
             total = self.pool.num_free + leased + cached
-            assert total == self.pool.num_blocks, (
-                f"free {self.pool.num_free} + leased {leased} + cached {cached} = {total} "
-                f"!= {self.pool.num_blocks} blocks")
+            if total != self.pool.num_blocks:
+                raise IntegrityError(
+                    f"free {self.pool.num_free} + leased {leased} + cached {cached} = {total} "
+                    f"!= {self.pool.num_blocks} blocks")
+            by_ns = Counter(lease.namespace for lease in self._leases.values())
+            by_owner = Counter(lease.owner for lease in self._leases.values())
+            if by_owner != Counter(self._leases_of_owner) or any(
+                    by_ns[ns.name] != ns.num_leases for ns in self._namespaces.values()):
+                raise IntegrityError("per-client or per-namespace lease counts are off")
+            if any(name not in self._namespaces for name in by_ns):
+                raise IntegrityError("a live lease names a namespace that was dropped")
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -368,6 +427,86 @@ class KVService:
         if len(namespace) > MAX_NAMESPACE_LEN:
             raise InvalidArgument(f"namespace is {len(namespace)} characters, "
                                   f"limit {MAX_NAMESPACE_LEN}")
+        if not NAMESPACE_CHARS.issuperset(namespace):
+            bad = next(c for c in namespace if c not in NAMESPACE_CHARS)
+            raise InvalidArgument(f"namespace {namespace!r} has {bad!r}: names are printable "
+                                  "ASCII without spaces")
+
+    def _ttl(self, ttl_s: float | None) -> float:
+        if not ttl_s:
+            return self.config.lease_ttl_s
+        if not 0 < ttl_s <= self.config.max_lease_ttl_s:
+            raise InvalidArgument(f"lease ttl {ttl_s:g} s is outside (0, "
+                                  f"{self.config.max_lease_ttl_s:g}] (the server's cap)")
+        return ttl_s
+
+    def _check_room_for(self, owner: str, new_leases: int, new_namespaces: int) -> None:
+        """LimitExceeded unless `owner` may open `new_leases` more leases and the service
+        `new_namespaces` more namespaces."""
+        held = self._leases_of_owner.get(owner, 0)
+        if held + new_leases > self.config.max_leases_per_client:
+            raise LimitExceeded(f"client {owner!r} holds {held} live leases and asked for "
+                                f"{new_leases} more; limit {self.config.max_leases_per_client} "
+                                "per client (release leases when done)")
+        if new_namespaces and len(self._namespaces) + new_namespaces > self.config.max_namespaces:
+            raise LimitExceeded(f"{len(self._namespaces)} namespaces hold blocks or leases and "
+                                f"{new_namespaces} more were asked for; limit "
+                                f"{self.config.max_namespaces}")
+
+    def _check_insert(self, tokens: bytes, block_ids: Sequence[int]) -> None:
+        self._check_tokens(tokens)
+        num_full = num_tokens(tokens) // self.block_size
+        if len(block_ids) != num_full:
+            raise InvalidArgument(
+                f"{len(block_ids)} block ids for {num_full} full blocks "
+                f"({num_tokens(tokens)} tokens, block_size {self.block_size})")
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidArgument("block ids repeat within one insert")
+        for b in block_ids:
+            if not 0 <= b < self.pool.num_blocks:
+                raise InvalidArgument(f"block id {b} is out of range (pool has "
+                                      f"{self.pool.num_blocks} blocks)")
+
+    def _check_claims(self, lease: _Lease, namespace: str, tokens: bytes,
+                      block_ids: Sequence[int], claimed: set[int]) -> None:
+        """Each id is the lease's own (and not claimed by an earlier item of the batch) or the
+        id the tree already caches at that position."""
+        if namespace != lease.namespace:
+            raise PermissionDenied(f"lease {lease.lease_id} belongs to namespace "
+                                   f"{lease.namespace!r}, not {namespace!r}")
+        cached = self._namespaces[namespace].tree.match(tokens).block_ids
+        for i, b in enumerate(block_ids):
+            if i < len(cached) and cached[i] == b:
+                continue
+            if b in claimed:
+                raise InvalidArgument(f"block {b} is claimed by two items of one insert")
+            if b in lease.owned:
+                claimed.add(b)
+                continue
+            if b in self._lease_of_block:
+                raise PermissionDenied(f"block {b} is leased to another lease, "
+                                       f"not {lease.lease_id}")
+            if self.pool.is_free(b):
+                raise PermissionDenied(f"block {b} is not allocated to lease {lease.lease_id}")
+            raise AlreadyExists(f"block {b} is already cached under another prefix")
+
+    def _apply_insert(self, lease: _Lease, tokens: bytes,
+                      block_ids: Sequence[int]) -> InsertResult:
+        ns = self._namespaces[lease.namespace]
+        self._touch(lease)
+        result = ns.tree.insert(tokens, block_ids)
+        for b in result.adopted + result.duplicates:  # no longer the lease's
+            del lease.owned[b]
+            del self._lease_of_block[b]
+        if result.duplicates:
+            self.pool.free(list(result.duplicates))
+        # Pin what was inserted for the rest of the lease: the engine may still read it.
+        m = ns.tree.match(tokens)
+        if m.num_tokens:
+            ns.tree.lock(m.handle, hit=False)
+            lease.handles.append(m.handle)
+        self.events.publish(ns.name, ns.tree.take_events())
+        return result
 
     def _check_tokens(self, tokens: bytes) -> None:
         if not tokens:
@@ -387,27 +526,37 @@ class KVService:
                                       f"(vocab_size {vocab})")
 
     def _namespace(self, name: str) -> _Namespace:
+        """The namespace, created if absent (callers checked the limit first)."""
         ns = self._namespaces.get(name)
         if ns is None:
-            if len(self._namespaces) >= self.config.max_namespaces:
-                raise OutOfBlocks(f"{len(self._namespaces)} namespaces exist, limit "
-                                  f"{self.config.max_namespaces}")
             tree = RadixTree(self.block_size, self.config.policy,
                              clock=functools.partial(next, self._ticks))
             ns = _Namespace(name, tree)
             self._namespaces[name] = ns
         return ns
 
-    def _open_lease(self, owner: str, namespace: str) -> _Lease:
+    def _drop_namespace(self, ns: _Namespace) -> None:
+        """Forget a namespace that holds no blocks and no leases; its counters stay."""
+        self._retired.add(ns.life)
+        del self._namespaces[ns.name]
+
+    def _drop_if_empty(self, ns: _Namespace) -> None:
+        if not ns.num_leases and not ns.tree.num_cached_blocks:
+            self._drop_namespace(ns)
+
+    def _open_lease(self, owner: str, ns: _Namespace, ttl_s: float) -> _Lease:
         lease_id = next(self._lease_ids)
-        lease = _Lease(lease_id, owner, namespace, self._clock() + self.config.lease_ttl_s)
+        lease = _Lease(lease_id, owner, ns.name, self._clock() + ttl_s, ttl_s)
         self._leases[lease_id] = lease
+        self._leases_of_owner[owner] = self._leases_of_owner.get(owner, 0) + 1
+        ns.num_leases += 1
         return lease
 
     def _get_lease(self, owner: str, lease_id: int) -> _Lease:
+        """The live lease `lease_id` of `owner` (not renewed: callers `_touch` it once their
+        checks passed)."""
         lease = self._leases.get(lease_id)
-        now = self._clock()
-        if lease is not None and lease.expires_at <= now:
+        if lease is not None and lease.expires_at <= self._clock():
             self._end_lease(lease, expired=True)
             lease = None
         if lease is None:
@@ -417,13 +566,14 @@ class KVService:
             raise NotFound(f"unknown lease {lease_id}")
         if lease.owner != owner:
             raise PermissionDenied(f"lease {lease_id} belongs to another client")
-        lease.expires_at = now + self.config.lease_ttl_s
         return lease
 
+    def _touch(self, lease: _Lease) -> None:
+        lease.expires_at = self._clock() + lease.ttl_s
+
     def _end_lease(self, lease: _Lease, expired: bool = False) -> int:
-        ns = self._namespaces.get(lease.namespace)
+        ns = self._namespaces[lease.namespace]
         for handle in lease.handles:
-            assert ns is not None
             ns.tree.unlock(handle)
         freed = list(lease.owned)
         for b in freed:
@@ -431,6 +581,13 @@ class KVService:
         if freed:
             self.pool.free(freed)
         del self._leases[lease.lease_id]
+        left = self._leases_of_owner[lease.owner] - 1
+        if left:
+            self._leases_of_owner[lease.owner] = left
+        else:
+            del self._leases_of_owner[lease.owner]
+        ns.num_leases -= 1
+        self._drop_if_empty(ns)
         if expired:
             self._num_expired += 1
             self._expired[lease.lease_id] = None
@@ -438,10 +595,11 @@ class KVService:
                 self._expired.popitem(last=False)
         return len(freed)
 
-    def _make_room(self, num_blocks: int) -> int:
+    def _make_room(self, num_blocks: int, keep: _Namespace | None = None) -> int:
         """Evict until `num_blocks` are free, least recently used leaf first across all
         namespaces (their trees share one clock, so their victims compare). Raises OutOfBlocks,
-        evicting nothing, when even that cannot make room."""
+        evicting nothing, when even that cannot make room. Namespaces left empty are dropped,
+        except `keep` (about to get a lease)."""
         need = num_blocks - self.pool.num_free
         if need <= 0:
             return 0
@@ -467,8 +625,10 @@ class KVService:
                     if key is None or key > keyed[1][0]:
                         break
             self.pool.free(freed)
-            ns.evicted_blocks += len(freed)
+            ns.life.evicted_blocks += len(freed)
             evicted += len(freed)
             ns.tree.take_events()  # one BlockRemoved per chunk, in eviction order:
             self.events.publish(ns.name, [BlockRemoved(tuple(freed))])
+            if ns is not keep:
+                self._drop_if_empty(ns)
         return evicted

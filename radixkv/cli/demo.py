@@ -80,8 +80,8 @@ def stage_service(console: Console, sock: str) -> dict[str, Any]:
             with kv.lease("demo", prompt) as lease:
                 full = len(prompt) // info.layout.block_size
                 new = lease.allocate(full - len(lease.block_ids))
-                for b in new:
-                    view[b].fill_(float(user + 1))  # the engine's KV would go here
+                for b in new:  # the engine's KV would go here, in the lease's pool epoch
+                    lease.view()[b].fill_(float(user + 1))
                 lease.insert(prompt, lease.block_ids + new)
             console.print(f"  request {user + 1}: {len(prompt)} tokens, "
                           f"{lease.num_tokens} reused from the cache, {len(new)} blocks written")

@@ -10,6 +10,23 @@ from typing import Any
 
 from gpu_pool.layout import PRESETS, KVLayout, parse_bytes
 from radixkv.errors import RadixKVError
+from radixkv.index.eviction import POLICIES
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def add_layout_flags(p: argparse.ArgumentParser, default_preset: str | None) -> None:
@@ -20,7 +37,8 @@ def add_layout_flags(p: argparse.ArgumentParser, default_preset: str | None) -> 
                    help="a Hugging Face config.json (or its folder) instead of --preset")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "fp8", "int8", "int4"],
                    help="KV element type (default: the model's, usually bf16)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per block (default: 16)")
+    g.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per block (default: 16)")
 
 
 def layout_from_args(args: argparse.Namespace) -> KVLayout:
@@ -49,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
     from dataclasses import replace
 
-    from radixkv.server.app import serve
+    from radixkv.server.app import exit_with_parent, serve
     from radixkv.server.auth import read_token
     from radixkv.server.config import ServerConfig
 
@@ -70,7 +88,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
     config = replace(config, service=replace(
         config.service, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
-        policy=args.policy, event_buffer=args.event_buffer, **ttl))
+        policy=args.policy, event_buffer=args.event_buffer,
+        max_leases_per_client=args.max_leases_per_client, max_lease_ttl_s=args.max_lease_ttl,
+        **ttl))
+    if args.exit_with_parent:
+        exit_with_parent()
 
     def ready(server: object) -> None:
         from gpu_pool.layout import format_bytes
@@ -145,19 +167,25 @@ def _add_serve(sub: Any) -> None:
                        "SIGTERM/SIGINT, unlinking the socket and the shared memory.")
     add_layout_flags(p, default_preset="llama-3.2-1b")
     g = p.add_argument_group("pool")
-    g.add_argument("--num-blocks", type=int, default=None,
+    g.add_argument("--num-blocks", type=positive_int, default=None,
                    help="pool size in blocks (default 1024, or $RADIXKV_NUM_BLOCKS)")
     g.add_argument("--memory", help="pool size as memory, e.g. 8GiB (overrides --num-blocks)")
     g.add_argument("--backend", choices=["host", "cuda"], default=None,
                    help="host: POSIX shared memory (default); cuda: GPU memory via CuPy + IPC")
     g.add_argument("--device", type=int, default=None, help="CUDA device ordinal (cuda backend)")
     g = p.add_argument_group("service")
-    g.add_argument("--lease-ttl", type=float, default=None,
+    g.add_argument("--lease-ttl", type=positive_float, default=None,
                    help="seconds a lease lives without use before its pins are dropped "
                    "(default $RADIXKV_LEASE_TTL, else 30)")
-    g.add_argument("--policy", default="lru", help="eviction policy: lru (default) or lfu")
-    g.add_argument("--max-tokens", type=int, default=1 << 20, help="longest token list accepted")
-    g.add_argument("--vocab-size", type=int, default=None,
+    g.add_argument("--max-lease-ttl", type=positive_float, default=3600.0, metavar="SECONDS",
+                   help="the longest lease TTL a client may ask for (3600)")
+    g.add_argument("--max-leases-per-client", type=positive_int, default=4096, metavar="N",
+                   help="live leases one client id may hold (4096)")
+    g.add_argument("--policy", default="lru", choices=POLICIES,
+                   help="eviction policy (default lru)")
+    g.add_argument("--max-tokens", type=positive_int, default=1 << 20,
+                   help="longest token list accepted")
+    g.add_argument("--vocab-size", type=positive_int, default=None,
                    help="reject token ids >= this (default: any uint32)")
     g.add_argument("--event-buffer", type=int, default=65536, metavar="N",
                    help="KV events kept for subscribers to resume from (65536); one that falls "
@@ -173,16 +201,19 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--auth-token-file", metavar="PATH",
                    help="require 'authorization: Bearer TOKEN' on every radixkv call (token: "
                    "the file's first line; default $RADIXKV_AUTH_TOKEN; health stays open)")
-    g.add_argument("--workers", type=int, default=2,
+    g.add_argument("--workers", type=positive_int, default=2,
                    help="threads running calls (2: Python runs one at a time, more only "
                    "contend for the GIL)")
-    g.add_argument("--stream-workers", type=int, default=16,
+    g.add_argument("--stream-workers", type=positive_int, default=16,
                    help="concurrent server streams, e.g. `radixkv events` subscribers (16)")
-    g.add_argument("--max-message-bytes", type=int, default=64 << 20,
+    g.add_argument("--max-message-bytes", type=positive_int, default=64 << 20,
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (127.0.0.1; 0 or absent: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop (as on SIGTERM) when the process that started this one exits; "
+                   "for tools that launch a server of their own (Linux)")
     p.set_defaults(func=cmd_serve)
 
 

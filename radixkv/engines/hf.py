@@ -102,15 +102,23 @@ class Engine:
         if self.kv is not None and self._owns_client:
             self.kv.close()
 
-    def _pool_view(self) -> torch.Tensor:
-        """The pool mapping, taken after a Match: Match answers carry the pool epoch, so the
-        client has already re-attached if the service restarted (block ids of the new service
-        must not be written through a mapping of the old pool); the layout is checked again."""
+    def _pool_view(self, lease: Lease) -> torch.Tensor:
+        """The pool mapping of the lease's epoch (StalePool if the service restarted since its
+        Match: block ids of one pool must never be written through a mapping of another);
+        after a restart the layout is checked again."""
         assert self.kv is not None
         if self.kv.restarts != self._restarts_seen:
             self._restarts_seen = self.kv.restarts
             self._check_layout()
-        return self.kv.pool().view()
+        view: torch.Tensor = lease.view()
+        return view
+
+    @staticmethod
+    def _sync(view: torch.Tensor) -> None:
+        """Complete queued copies to or from the pool (GPU): before Insert publishes blocks,
+        and before Release lets the blocks read be evicted and reused."""
+        if view.is_cuda:
+            torch.cuda.current_stream(view.device).synchronize()
 
     # ---- model plumbing ----------------------------------------------------------------------
 
@@ -146,7 +154,7 @@ class Engine:
         t0 = time.perf_counter()
         tokens = list(tokens)
         with self.kv.lease(self.namespace, tokens) as lease:
-            view = self._pool_view()
+            view = self._pool_view(lease)
             t1 = time.perf_counter()
             use = min(lease.num_tokens, len(tokens) - 1)
             cache = self._new_cache()
@@ -162,6 +170,7 @@ class Engine:
             logits = self._forward(tokens[use:], use, cache)
             t3 = time.perf_counter()
             self._store(lease, tokens, cache, view)
+            self._sync(view)  # the gather above may still be queued: finish it before Release
             t4 = time.perf_counter()
         t5 = time.perf_counter()
         timings = {"match": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "store": t4 - t3,
@@ -200,8 +209,7 @@ class Engine:
         k = torch.stack([key[0, :, start:end].transpose(0, 1) for key, _ in layers])
         v = torch.stack([value[0, :, start:end].transpose(0, 1) for _, value in layers])
         scatter(view, new, k.to(view.device, view.dtype), v.to(view.device, view.dtype))
-        if view.is_cuda:  # the copy is queued: complete it before Insert publishes the blocks
-            torch.cuda.current_stream(view.device).synchronize()
+        self._sync(view)  # the copy may be queued: complete it before Insert publishes blocks
         lease.insert(tokens[:end], lease.block_ids + new)
         return len(new)
 
@@ -214,7 +222,7 @@ class Engine:
         seq_len = cache_layers(cache)[0][0].shape[-2]
         tokens = list(tokens)[:seq_len]
         with self.kv.lease(self.namespace, tokens) as lease:
-            return self._store(lease, tokens, cache, self._pool_view())
+            return self._store(lease, tokens, cache, self._pool_view(lease))
 
     @torch.inference_mode()
     def decode(self, prompt: Sequence[int], result: PrefillResult, max_new_tokens: int,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.errors import InvalidArgument
+from radixkv.errors import IntegrityError, InvalidArgument
 from radixkv.index.eviction import EvictionPolicy, make_policy
 from radixkv.tokens import TokensLike, block_bytes, num_tokens, to_token_bytes
 
@@ -455,10 +455,11 @@ class RadixTree:
             counts.pop()
 
     def check_integrity(self) -> None:
-        """Recompute every invariant from scratch; AssertionError naming the first that fails."""
+        """Recompute every invariant from scratch; IntegrityError naming the first that fails
+        (real checks: they hold under `python -O` too)."""
 
         def fail(msg: str) -> None:
-            raise AssertionError(msg)
+            raise IntegrityError(msg)
 
         root, bb = self._root, self._block_bytes
         if root.tokens or root.block_ids or root.parent is not root or root.lock_count:

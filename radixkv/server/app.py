@@ -190,3 +190,17 @@ def serve(config: ServerConfig, ready: Any = None) -> int:
         server.stop()
     return 0
 
+
+def exit_with_parent() -> None:
+    """Have the kernel SIGTERM this process when its parent exits (Linux PR_SET_PDEATHSIG), so
+    a server launched by a tool that dies before its cleanup stops cleanly too."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        log.warning("--exit-with-parent needs Linux prctl; the server will outlive its parent")
+        return
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)

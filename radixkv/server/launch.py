@@ -9,7 +9,6 @@ error message, afterwards a thread drains it so the child never blocks on a full
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -54,13 +53,6 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the starting thread dies (Linux
-    PR_SET_PDEATHSIG), so a tool killed before its cleanup leaves no server behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-
-
 def start_server(socket: str, *flags: str, timeout: float = 60.0,
                  die_with_parent: bool = True) -> ServerProcess:
     """Start `python -m radixkv serve --socket SOCKET --log-level warning FLAGS...` and return
@@ -68,8 +60,9 @@ def start_server(socket: str, *flags: str, timeout: float = 60.0,
     child exits or prints no banner within `timeout` seconds (its output in the message)."""
     args = [sys.executable, "-m", "radixkv", "serve", "--socket", socket,
             "--log-level", "warning", *flags]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=_die_with_parent if die_with_parent else None)
+    if die_with_parent:  # armed by the child itself: a preexec_fn would run the parent's
+        args.append("--exit-with-parent")  # at-fork hooks (grpc's abort in a forked child)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.stdout
     assert out is not None
     lines: list[str] = []

@@ -18,7 +18,14 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 
 from gpu_pool.layout import KVLayout
-from radixkv.errors import ALL_ERRORS, InvalidArgument, RadixKVError
+from radixkv.errors import (
+    ALL_ERRORS,
+    IntegrityError,
+    InvalidArgument,
+    LimitExceeded,
+    RadixKVError,
+    StalePool,
+)
 from radixkv.events import KVEvent
 from radixkv.service import KVService
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
@@ -35,6 +42,9 @@ STATUS: dict[type[RadixKVError], grpc.StatusCode] = {
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+MAX_BATCH = 4096  # queries per Match, items per Insert, ids per Release / KeepAlive
+INTEGRITY_SHARE = 0.1  # Stats' O(pool) integrity checks may take at most this share of time
 
 
 class RpcObserver(Protocol):
@@ -90,8 +100,9 @@ def layout_pb(layout: KVLayout) -> pb.KVLayout:
                        block_size=layout.block_size, bytes_per_block=layout.bytes_per_block)
 
 
-def event_pb(ev: KVEvent) -> pb.Event:
-    out = pb.Event(sequence=ev.sequence, namespace=ev.namespace, timestamp=ev.timestamp)
+def event_pb(ev: KVEvent, epoch: str) -> pb.Event:
+    out = pb.Event(sequence=ev.sequence, namespace=ev.namespace, timestamp=ev.timestamp,
+                   epoch=epoch)
     if ev.kind == "stored":
         out.stored.CopyFrom(pb.BlockStored(
             block_ids=ev.block_ids, tokens=ev.tokens, block_hashes=ev.block_hashes,
@@ -110,6 +121,14 @@ def _owner(client_id: str) -> str:
     return client_id
 
 
+def _batch(what: str, items: Any) -> Any:
+    if not items:
+        raise InvalidArgument(f"{what} needs at least one")
+    if len(items) > MAX_BATCH:
+        raise InvalidArgument(f"{what}: {len(items)} in one call, limit {MAX_BATCH}")
+    return items
+
+
 class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     def __init__(self, service: KVService, max_tokens: int,
                  observer: RpcObserver | None = None) -> None:
@@ -117,6 +136,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         self.max_tokens = max_tokens
         self.observer = observer
         self._closing = threading.Event()
+        self._integrity_lock = threading.Lock()
+        self._integrity_next = 0.0  # monotonic time before which Stats skips the check
 
     def close(self) -> None:
         """End open Events streams (at shutdown), so they do not hold up the grace period."""
@@ -130,14 +151,16 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             layout=layout_pb(h.layout), backend=h.backend, num_blocks=h.num_blocks,
             epoch=h.epoch, shm_name=h.name, nbytes=h.nbytes, ipc_handle=h.ipc_handle,
             device_id=h.device_id, device_uuid=h.device_uuid, strides=h.strides,
-            max_tokens=self.max_tokens)
+            max_tokens=self.max_tokens, owner_pid=h.owner_pid, max_batch=MAX_BATCH,
+            lease_ttl_s=self.service.config.lease_ttl_s,
+            max_lease_ttl_s=self.service.config.max_lease_ttl_s)
 
     @rpc
     def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
-        if not request.queries:
-            raise InvalidArgument("Match needs at least one query")
+        queries = _batch("Match: queries", request.queries)
         outcomes = self.service.match_many(
-            _owner(request.client_id), [(q.namespace, q.tokens) for q in request.queries])
+            _owner(request.client_id), [(q.namespace, q.tokens) for q in queries],
+            request.lease_ttl_s or None)
         response = pb.MatchResponse(epoch=self.service.pool.epoch)
         add = response.results.add  # ~1.5 us less per result than building a list (upb)
         for o in outcomes:
@@ -147,43 +170,45 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     @rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
-                                  request.namespace, request.num_blocks)
+                                  request.namespace, request.num_blocks,
+                                  request.lease_ttl_s or None)
         return pb.AllocateResponse(epoch=self.service.pool.epoch, lease_id=o.lease_id,
                                    block_ids=ids_to_bytes(o.block_ids),
                                    num_evicted=o.num_evicted)
 
     @rpc
     def Insert(self, request: pb.InsertRequest, context: Any) -> pb.InsertResponse:
-        if not request.items:
-            raise InvalidArgument("Insert needs at least one item")
-        owner = _owner(request.client_id)
-        results = []
-        for item in request.items:
-            o = self.service.insert(owner, item.lease_id, item.namespace, item.tokens,
-                                    ids_from_bytes(item.block_ids))
-            results.append(pb.InsertResult(adopted=ids_to_bytes(o.adopted),
-                                           duplicates=ids_to_bytes(o.duplicates),
-                                           num_cached_tokens=o.num_cached_tokens))
-        return pb.InsertResponse(results=results)
+        items = _batch("Insert: items", request.items)
+        epoch = self.service.pool.epoch
+        for item in items:
+            if item.epoch and item.epoch != epoch:
+                raise StalePool(f"blocks written under pool epoch {item.epoch}, but the service "
+                                f"restarted (epoch {epoch}): their KV is not in this pool")
+        outcomes = self.service.insert_many(_owner(request.client_id), [
+            (item.lease_id, item.namespace, item.tokens, ids_from_bytes(item.block_ids))
+            for item in items])
+        return pb.InsertResponse(results=[
+            pb.InsertResult(adopted=ids_to_bytes(o.adopted), duplicates=ids_to_bytes(o.duplicates),
+                            num_cached_tokens=o.num_cached_tokens) for o in outcomes])
 
     @rpc
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        if not request.lease_ids:
-            raise InvalidArgument("Release needs at least one lease id")
-        freed = self.service.release(_owner(request.client_id), request.lease_ids)
+        lease_ids = _batch("Release: lease ids", request.lease_ids)
+        freed = self.service.release(_owner(request.client_id), lease_ids)
         return pb.ReleaseResponse(num_freed=freed)
+
+    @rpc
+    def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+        lease_ids = _batch("KeepAlive: lease ids", request.lease_ids)
+        ttl = self.service.keep_alive(_owner(request.client_id), lease_ids,
+                                      request.lease_ttl_s or None)
+        return pb.KeepAliveResponse(ttl_s=ttl)
 
     @rpc
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         s = self.service.stats()
         bs = self.service.block_size
-        integrity = ""
-        if request.check_integrity:
-            try:
-                self.service.check_integrity()
-                integrity = "ok"
-            except AssertionError as e:
-                integrity = f"FAILED: {e}"
+        integrity = self._integrity() if request.check_integrity else ""
         # ServiceStats and NamespaceStats name their fields as the proto does
         counters = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
                     if f.name != "namespaces"}
@@ -193,6 +218,28 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             namespaces=[pb.NamespaceStats(**dataclasses.asdict(n),
                                           cached_tokens=n.cached_blocks * bs)
                         for n in s.namespaces])
+
+    def _integrity(self) -> str:
+        """"ok" or "FAILED: <the invariant>". The check is O(pool), so it may use at most
+        INTEGRITY_SHARE of the time: one asked for sooner waits (up to 50 ms) or gets
+        LimitExceeded with the wait."""
+        with self._integrity_lock:
+            now = time.monotonic()
+            if 0 < self._integrity_next - now <= 0.05:
+                time.sleep(self._integrity_next - now)
+                now = time.monotonic()
+            if now < self._integrity_next:
+                raise LimitExceeded(f"integrity checks are limited to {INTEGRITY_SHARE:.0%} of "
+                                    f"the server's time; retry in "
+                                    f"{self._integrity_next - now:.3f} s")
+            try:
+                self.service.check_integrity()
+                result = "ok"
+            except IntegrityError as e:
+                result = f"FAILED: {e}"
+            spent = time.monotonic() - now
+            self._integrity_next = now + spent / INTEGRITY_SHARE
+            return result
 
     @rpc
     def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
@@ -214,6 +261,11 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         With a namespace filter, sequence numbers still increase but skip other namespaces."""
         log_ = self.service.events
         last = log_.last_sequence
+        epoch = self.service.pool.epoch
+        if request.epoch and request.epoch != epoch:
+            _abort(context, "Events", StalePool(
+                f"events of epoch {request.epoch} are gone: the service restarted (epoch "
+                f"{epoch}); rebuild from DumpTree and subscribe from its last_sequence"))
         if request.from_sequence > last + 1:
             # Most likely a subscriber resuming across a service restart (numbers restart at
             # 1); waiting for that number would silently skip everything up to it.
@@ -224,9 +276,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         while context.is_active() and not self._closing.is_set():
             events, lagged = log_.read(after, timeout=0.25)
             if lagged:
-                yield pb.Event(sequence=after + 1, lagged=True)
+                yield pb.Event(sequence=after + 1, lagged=True, epoch=epoch)
                 return
             for ev in events:
                 after = ev.sequence
                 if not request.namespace or ev.namespace == request.namespace:
-                    yield event_pb(ev)
+                    yield event_pb(ev, epoch)

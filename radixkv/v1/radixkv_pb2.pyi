@@ -27,7 +27,7 @@ class PoolInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolInfoResponse(_message.Message):
-    __slots__ = ("layout", "backend", "num_blocks", "epoch", "shm_name", "nbytes", "ipc_handle", "device_id", "device_uuid", "strides", "max_tokens")
+    __slots__ = ("layout", "backend", "num_blocks", "epoch", "shm_name", "nbytes", "ipc_handle", "device_id", "device_uuid", "strides", "max_tokens", "owner_pid", "max_batch", "lease_ttl_s", "max_lease_ttl_s")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,10 @@ class PoolInfoResponse(_message.Message):
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     STRIDES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PID_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     backend: str
     num_blocks: int
@@ -50,7 +54,11 @@ class PoolInfoResponse(_message.Message):
     device_uuid: str
     strides: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    owner_pid: int
+    max_batch: int
+    lease_ttl_s: float
+    max_lease_ttl_s: float
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., owner_pid: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class MatchQuery(_message.Message):
     __slots__ = ("namespace", "tokens")
@@ -61,12 +69,14 @@ class MatchQuery(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("client_id", "queries")
+    __slots__ = ("client_id", "queries", "lease_ttl_s")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     queries: _containers.RepeatedCompositeFieldContainer[MatchQuery]
-    def __init__(self, client_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[MatchQuery, _Mapping]]] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, client_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[MatchQuery, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class MatchResult(_message.Message):
     __slots__ = ("lease_id", "num_tokens", "block_ids")
@@ -87,16 +97,18 @@ class MatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks")
+    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks", "lease_ttl_s")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     lease_id: int
     namespace: str
     num_blocks: int
-    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("lease_id", "block_ids", "num_evicted", "epoch")
@@ -111,16 +123,18 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class InsertItem(_message.Message):
-    __slots__ = ("lease_id", "namespace", "tokens", "block_ids")
+    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     namespace: str
     tokens: bytes
     block_ids: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ...) -> None: ...
+    epoch: str
+    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("client_id", "items")
@@ -159,6 +173,22 @@ class ReleaseResponse(_message.Message):
     NUM_FREED_FIELD_NUMBER: _ClassVar[int]
     num_freed: int
     def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("client_id", "lease_ids", "lease_ttl_s")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_ttl_s: float
+    def __init__(self, client_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("ttl_s",)
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    def __init__(self, ttl_s: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("check_integrity",)
@@ -281,12 +311,14 @@ class ClearResponse(_message.Message):
     def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
-    __slots__ = ("from_sequence", "namespace")
+    __slots__ = ("from_sequence", "namespace", "epoch")
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     from_sequence: int
     namespace: str
-    def __init__(self, from_sequence: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    epoch: str
+    def __init__(self, from_sequence: _Optional[int] = ..., namespace: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_ids", "parent_block_id", "tokens", "block_hashes", "parent_block_hash")
@@ -315,10 +347,11 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("sequence", "namespace", "timestamp", "stored", "removed", "cleared", "lagged")
+    __slots__ = ("sequence", "namespace", "timestamp", "epoch", "stored", "removed", "cleared", "lagged")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
@@ -326,8 +359,9 @@ class Event(_message.Message):
     sequence: int
     namespace: str
     timestamp: float
+    epoch: str
     stored: BlockStored
     removed: BlockRemoved
     cleared: AllBlocksCleared
     lagged: bool
-    def __init__(self, sequence: _Optional[int] = ..., namespace: _Optional[str] = ..., timestamp: _Optional[float] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., lagged: _Optional[bool] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., namespace: _Optional[str] = ..., timestamp: _Optional[float] = ..., epoch: _Optional[str] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., lagged: _Optional[bool] = ...) -> None: ...

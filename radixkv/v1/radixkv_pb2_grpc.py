@@ -59,6 +59,11 @@ class RadixKVStub:
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/radixkv.v1.RadixKV/KeepAlive',
+                request_serializer=radixkv_dot_v1_dot_radixkv__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/radixkv.v1.RadixKV/Stats',
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.StatsRequest.SerializeToString,
@@ -106,7 +111,8 @@ class RadixKVServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Insert(self, request, context):
-        """Commit written blocks into the tree; the lease then pins the inserted path.
+        """Commit written blocks into the tree; the lease then pins the inserted path. All or nothing:
+        every item is checked before the first is applied; one bad item fails the call unchanged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +120,13 @@ class RadixKVServicer:
 
     def Release(self, request, context):
         """Unpin; blocks allocated but never inserted go back to the free list.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Renew leases without other work (an engine whose forward pass outlasts the TTL).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,6 +187,11 @@ def add_RadixKVServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.ReleaseRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_radixkv__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.KeepAliveRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.KeepAliveResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -331,6 +349,33 @@ class RadixKV:
             '/radixkv.v1.RadixKV/Release',
             radixkv_dot_v1_dot_radixkv__pb2.ReleaseRequest.SerializeToString,
             radixkv_dot_v1_dot_radixkv__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.RadixKV/KeepAlive',
+            radixkv_dot_v1_dot_radixkv__pb2.KeepAliveRequest.SerializeToString,
+            radixkv_dot_v1_dot_radixkv__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,
