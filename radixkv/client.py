@@ -34,7 +34,12 @@ from radixkv import errors
 from radixkv.errors import RadixKVError
 from radixkv.index.tree import InsertResult, NodeView
 from radixkv.server.auth import call_credentials
-from radixkv.server.config import client_tls_ca, client_token, default_socket_path
+from radixkv.server.config import (
+    check_socket_dir,
+    client_tls_ca,
+    client_token,
+    default_socket_path,
+)
 from radixkv.server.servicer import ERROR_KEY
 from radixkv.service import Allocation, LeaseMatch
 from radixkv.tokens import ids_from_bytes, to_token_bytes
@@ -122,6 +127,8 @@ class Client:
         """`token` (default $RADIXKV_AUTH_TOKEN) is sent with every call; `tls_ca` (default
         $RADIXKV_TLS_CA), a PEM file, makes the channel TLS and trusts that CA."""
         self.target = normalize_target(target)
+        if self.target.startswith("unix://"):
+            check_socket_dir(self.target.removeprefix("unix://"))
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
         self._metadata = call_credentials(token or client_token())

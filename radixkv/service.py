@@ -74,6 +74,16 @@ class ServiceConfig:
     event_buffer: int = 65536
     recent_window: int = 1000  # requests in the "recent" hit rate
 
+    def __post_init__(self) -> None:
+        for name in ("lease_ttl_s", "max_lease_ttl_s", "max_tokens", "max_namespaces",
+                     "max_leases_per_client", "recent_window"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise InvalidArgument(f"ServiceConfig.{name} must be positive, got {value!r}")
+        if self.lease_ttl_s > self.max_lease_ttl_s:
+            raise InvalidArgument(f"lease ttl {self.lease_ttl_s:g} s exceeds the cap "
+                                  f"{self.max_lease_ttl_s:g} s")
+
 
 @dataclass(frozen=True, slots=True)
 class LeaseMatch:

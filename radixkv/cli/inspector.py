@@ -101,6 +101,19 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def plain(text: str) -> str:
+    """Server-supplied text made safe for a terminal: control and other unprintable characters
+    shown as escapes (a name can never move the cursor or recolour the screen)."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def markup_safe(text: str) -> str:
+    """`plain`, with rich markup escaped too (for text rich renders: tables, trees)."""
+    from rich.markup import escape
+
+    return escape(plain(text))
+
+
 def render_summary(d: dict[str, Any]) -> Any:
     from rich import box
     from rich.console import Group
@@ -110,8 +123,8 @@ def render_summary(d: dict[str, Any]) -> Any:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("service", f"{d['target']}, up {_age(d['uptime_s'])}")
-    head.add_row("epoch", d["epoch"])
+    head.add_row("service", f"{markup_safe(d['target'])}, up {_age(d['uptime_s'])}")
+    head.add_row("epoch", markup_safe(d["epoch"]))
     head.add_row("pool", f"{pool['backend']}, {blocks['total']} blocks x "
                  f"{_size(lay['bytes_per_block'])} ({lay['block_size']} tokens) = "
                  f"{_size(pool['bytes']['total'])}")
@@ -131,9 +144,9 @@ def render_summary(d: dict[str, Any]) -> Any:
     for col in ("namespace", "blocks", "tokens", "nodes", "requests", "hit rate", "evicted"):
         spaces.add_column(col, justify="left" if col == "namespace" else "right")
     for n in d["namespaces"]:
-        spaces.add_row(n["namespace"], str(n["cached_blocks"]), str(n["cached_tokens"]),
-                       str(n["nodes"]), str(n["requests"]), _pct(n["hit_rate"]),
-                       str(n["evicted_blocks"]))
+        spaces.add_row(markup_safe(n["namespace"]), str(n["cached_blocks"]),
+                       str(n["cached_tokens"]), str(n["nodes"]), str(n["requests"]),
+                       _pct(n["hit_rate"]), str(n["evicted_blocks"]))
     return Group(head, spaces) if d["namespaces"] else head
 
 
@@ -188,10 +201,9 @@ def _ids(ids: list[int], total: int) -> str:
 
 
 def render_tree(t: dict[str, Any]) -> Any:
-    from rich.markup import escape
     from rich.tree import Tree
 
-    root = Tree(f"[bold]{escape(t['namespace'])}[/]: {t['nodes']} nodes, "
+    root = Tree(f"[bold]{markup_safe(t['namespace'])}[/]: {t['nodes']} nodes, "
                 f"{t['cached_blocks']} blocks, {t['cached_tokens']} tokens "
                 f"(as of event {t['last_sequence']})")
 
@@ -240,8 +252,8 @@ def render_top(t: dict[str, Any]) -> Any:
     from rich import box
     from rich.table import Table
 
-    table = Table(title=f"{t['namespace']}: top prefixes by {t['by']}", title_justify="left",
-                  box=box.SIMPLE_HEAD)
+    table = Table(title=f"{markup_safe(t['namespace'])}: top prefixes by {t['by']}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("#", "node", "tokens", "hits", "saved", "locks", "touched"):
         table.add_column(col, justify="right")
     table.add_column("prefix", no_wrap=True, overflow="ellipsis")
@@ -258,9 +270,9 @@ def event_dict(ev: pb.Event) -> dict[str, Any]:
     """An event with vLLM's names (BlockStored / BlockRemoved / AllBlocksCleared), or Lagged."""
     kind = ev.WhichOneof("kind")
     if kind == "lagged":
-        return {"sequence": ev.sequence, "type": "Lagged"}
-    out: dict[str, Any] = {"sequence": ev.sequence, "namespace": ev.namespace,
-                           "timestamp": ev.timestamp}
+        return {"sequence": ev.sequence, "epoch": ev.epoch, "type": "Lagged"}
+    out: dict[str, Any] = {"sequence": ev.sequence, "epoch": ev.epoch,
+                           "namespace": ev.namespace, "timestamp": ev.timestamp}
     if kind == "stored":
         st = ev.stored
         out.update(type="BlockStored", block_ids=list(st.block_ids),
@@ -282,7 +294,7 @@ def event_line(d: dict[str, Any]) -> str:
         return (f"#{d['sequence']} lagged: events from here on were dropped from the replay "
                 "buffer; rebuild with `radixkv inspect tree` and resume after its sequence")
     stamp = time.strftime("%H:%M:%S", time.localtime(d["timestamp"]))
-    line = f"#{d['sequence']} {stamp} {d['namespace']} {d['type']}"
+    line = f"#{d['sequence']} {stamp} {plain(d['namespace'])} {d['type']}"
     if d["type"] == "BlockStored":
         parent = "root" if d["parent_block_id"] is None else f"block {d['parent_block_id']}"
         tokens = d["token_ids"]
@@ -295,11 +307,12 @@ def event_line(d: dict[str, Any]) -> str:
 
 def tail_events(kv: Client, from_sequence: int, namespace: str, as_json: bool,
                 count: int = 0, timeout: float | None = None,
-                out: IO[str] | None = None) -> int:
-    """Print events until Ctrl-C, `count` events or `timeout` s. Returns 3 after a lag."""
+                out: IO[str] | None = None, epoch: str = "") -> int:
+    """Print events until Ctrl-C, `count` events or `timeout` s. Returns 3 after a lag.
+    `epoch`: the epoch `from_sequence` belongs to (StalePool if the service restarted)."""
     out = out or sys.stdout
     seen = 0
-    for ev in kv.events(from_sequence, namespace, timeout=timeout):
+    for ev in kv.events(from_sequence, namespace, timeout=timeout, epoch=epoch):
         d = event_dict(ev)
         print(json.dumps(d) if as_json else event_line(d), file=out, flush=True)
         if d["type"] == "Lagged":
@@ -350,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
     with Client(target) as kv:
         if args.command == "events":
             return tail_events(kv, args.from_sequence, args.namespace, args.json, args.count,
-                               args.timeout)
+                               args.timeout, epoch=args.epoch)
         if args.command == "stats" and args.watch:
             return watch(kv, args.watch, args.json)
         view = getattr(args, "view", None) or "summary"

@@ -256,6 +256,9 @@ def _add_views(sub: Any) -> None:
     p = sub.add_parser("events", parents=conn, help="tail the KV event stream")
     p.add_argument("--from", dest="from_sequence", type=int, default=0, metavar="SEQ",
                    help="replay from this sequence number if still buffered (default: new only)")
+    p.add_argument("--epoch", default="",
+                   help="the service epoch SEQ belongs to (each event shows it): refuse to "
+                   "resume if the service has restarted since")
     p.add_argument("--namespace", default="", help="only this namespace's events")
     p.add_argument("--count", type=int, default=0, help="exit after this many events")
     p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds")

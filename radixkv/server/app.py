@@ -21,9 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_pool import create_pool
-from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.errors import AlreadyExists, InvalidArgument, PermissionDenied, RadixKVError
 from radixkv.server.auth import TokenInterceptor, server_credentials
-from radixkv.server.config import ServerConfig
+from radixkv.server.config import ServerConfig, check_socket_dir
 from radixkv.server.executor import SplitExecutor
 from radixkv.server.metrics import Metrics
 from radixkv.server.servicer import SERVICE_NAME, Servicer
@@ -117,7 +117,13 @@ class RadixKVServer:
             raise InvalidArgument(f"unix socket path is {len(path)} characters, limit 107: {path}")
         directory = Path(path).parent
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._lock_file = open(path + ".lock", "w")  # noqa: SIM115 (held for the server's life)
+        check_socket_dir(path)
+        try:  # never through a symlink another user planted
+            fd = os.open(path + ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+        except OSError as e:
+            raise PermissionDenied(f"cannot open the lock file {path}.lock: {e}") from None
+        self._lock_file = os.fdopen(fd, "w")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -14,11 +14,13 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpu_pool.layout import KVLayout
+from radixkv.errors import PermissionDenied
 from radixkv.server.auth import read_token
 from radixkv.service import ServiceConfig
 
@@ -31,6 +33,35 @@ def default_socket_path() -> str:
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "radixkv.sock")
     return os.path.join(tempfile.gettempdir(), f"radixkv-{os.getuid()}", "radixkv.sock")
+
+
+def check_socket_dir(socket_path: str) -> None:
+    """Refuse (PermissionDenied) a socket whose directory another local user could have made or
+    could write: it must be a real directory owned by this user and not writable by group or
+    others, or a root-owned sticky one like /tmp; a socket file there must be this user's.
+    Otherwise that user could pre-create it and impersonate the service (tmux and ssh-agent
+    check the same)."""
+    directory = os.path.dirname(os.path.abspath(socket_path))
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return  # the server creates it 0700
+    uid = os.getuid()
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionDenied(f"socket directory {directory} is not a directory (a symlink?)")
+    shared_sticky = st.st_uid == 0 and st.st_mode & stat.S_ISVTX
+    if not shared_sticky and (st.st_uid != uid or st.st_mode & 0o022):
+        raise PermissionDenied(
+            f"socket directory {directory} is owned by uid {st.st_uid} with mode "
+            f"{stat.S_IMODE(st.st_mode):o}: it must be yours (uid {uid}) and not writable by "
+            "group or others; remove it or choose another --socket / $RADIXKV_SOCKET")
+    try:
+        sock = os.lstat(socket_path)
+    except FileNotFoundError:
+        return
+    if sock.st_uid != uid:
+        raise PermissionDenied(f"socket {socket_path} belongs to uid {sock.st_uid}, not you "
+                               f"(uid {uid}): refusing a service another user may run")
 
 
 @dataclass(frozen=True, slots=True)
