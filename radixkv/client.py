@@ -48,6 +48,8 @@ from radixkv.v1 import radixkv_pb2_grpc
 
 log = logging.getLogger("radixkv.client")
 
+STORE_ALL = 2**32 - 1  # store_tokens meaning "every full block of the prompt"
+
 _BY_NAME: dict[str, type[RadixKVError]] = {c.__name__: c for c in errors.ALL_ERRORS}
 _BY_CODE: dict[str, type[RadixKVError]] = {
     "INVALID_ARGUMENT": errors.InvalidArgument, "NOT_FOUND": errors.NotFound,
@@ -234,20 +236,25 @@ class Client:
 
     # ---- the request path --------------------------------------------------------------------
 
-    def match(self, namespace: str, tokens: Any, ttl: float = 0.0) -> LeaseMatch:
-        return self.match_many([(namespace, tokens)], ttl)[0]
+    def match(self, namespace: str, tokens: Any, ttl: float = 0.0,
+              store_tokens: int = 0) -> LeaseMatch:
+        return self.match_many([(namespace, tokens)], ttl, store_tokens)[0]
 
-    def match_many(self, queries: Sequence[tuple[str, Any]],
-                   ttl: float = 0.0) -> list[LeaseMatch]:
+    def match_many(self, queries: Sequence[tuple[str, Any]], ttl: float = 0.0,
+                   store_tokens: int = 0) -> list[LeaseMatch]:
         """One call for several prompts; each result holds its own lease (TTL `ttl` seconds
-        within the server's cap; 0: the server's default)."""
+        within the server's cap; 0: the server's default). With `store_tokens` (e.g.
+        STORE_ALL), each lease also gets `new_block_ids` for the uncached full blocks among
+        the first store_tokens tokens, so that Allocate is not needed (or `alloc_error`)."""
         req = pb.MatchRequest(client_id=self.client_id, lease_ttl_s=ttl)
         add = req.queries.add  # ~1 us less per query than building a list (upb)
         for ns, t in queries:
-            add(namespace=ns, tokens=to_token_bytes(t))
+            add(namespace=ns, tokens=to_token_bytes(t), store_tokens=store_tokens)
         resp = self._call("Match", req)
         self._note_epoch(resp.epoch)
-        return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), resp.epoch)
+        epoch = resp.epoch
+        return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
+                           ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error)
                 for r in resp.results]
 
     def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "",
@@ -260,17 +267,18 @@ class Client:
                           resp.epoch)
 
     def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],
-               lease_id: int, epoch: str = "") -> InsertResult:
-        return self.insert_many([(namespace, tokens, block_ids, lease_id)], epoch)[0]
+               lease_id: int, epoch: str = "", release: bool = False) -> InsertResult:
+        return self.insert_many([(namespace, tokens, block_ids, lease_id)], epoch, release)[0]
 
     def insert_many(self, items: Sequence[tuple[str, Any, Sequence[int], int]],
-                    epoch: str = "") -> list[InsertResult]:
+                    epoch: str = "", release: bool = False) -> list[InsertResult]:
         """Commit written blocks, all items or none. `epoch`: the pool epoch the blocks were
         allocated and written under (LeaseMatch.epoch / Allocation.epoch); the service refuses
-        them with StalePool if it restarted since, so no block of a dead pool gets cached."""
+        them with StalePool if it restarted since, so no block of a dead pool gets cached.
+        `release`: end the items' leases in the same call (as `release` would)."""
         req = pb.InsertRequest(client_id=self.client_id, items=[
             pb.InsertItem(namespace=ns, tokens=to_token_bytes(t), block_ids=to_token_bytes(ids),
-                          lease_id=lid, epoch=epoch)
+                          lease_id=lid, epoch=epoch, release=release)
             for ns, t, ids, lid in items])
         resp = self._call("Insert", req)
         return [InsertResult(ids_from_bytes(r.adopted), ids_from_bytes(r.duplicates),
@@ -288,9 +296,11 @@ class Client:
         req = pb.KeepAliveRequest(client_id=self.client_id, lease_ids=lease_ids, lease_ttl_s=ttl)
         return float(self._call("KeepAlive", req).ttl_s)
 
-    def lease(self, namespace: str, tokens: Any, ttl: float = 0.0) -> Lease:
-        """Match `tokens` and hold the lease for a `with` block."""
-        return Lease(self, namespace, tokens, ttl)
+    def lease(self, namespace: str, tokens: Any, ttl: float = 0.0,
+              store_tokens: int = STORE_ALL) -> Lease:
+        """Match `tokens` (allocating for the uncached full blocks among the first
+        `store_tokens`; 0: none) and hold the lease for a `with` block."""
+        return Lease(self, namespace, tokens, ttl, store_tokens)
 
     # ---- inspection --------------------------------------------------------------------------
 
@@ -345,20 +355,28 @@ class Client:
 
 
 class Lease:
-    """A matched prompt's lease: pins the cached prefix; allocate, insert; released on exit.
+    """A matched prompt's lease: pins the cached prefix; released on exit.
+
+    Two round trips by default: the Match also allocates `new_block_ids` for the rest of the
+    prompt's full blocks (none, with `alloc_error` set, when every other block is pinned), and
+    `insert(..., release=True)` ends the lease in the same call. `allocate` and a separate
+    release remain for engines that need them.
 
     Its block ids belong to the pool epoch of its Match: `view()` maps that pool (StalePool
     if the service restarted since) and `insert` tells the service the epoch, so KV written
     into a dead pool is never cached. On a GPU pool, synchronize reads and writes before
     `insert` and `release`: once released, its blocks may be evicted and reused."""
 
-    def __init__(self, client: Client, namespace: str, tokens: Any, ttl: float = 0.0) -> None:
+    def __init__(self, client: Client, namespace: str, tokens: Any, ttl: float = 0.0,
+                 store_tokens: int = 0) -> None:
         self.client = client
         self.namespace = namespace
-        m = client.match(namespace, tokens, ttl)
+        m = client.match(namespace, tokens, ttl, store_tokens)
         self.lease_id = m.lease_id
         self.num_tokens = m.num_tokens
         self.block_ids = m.block_ids
+        self.new_block_ids = m.new_block_ids
+        self.alloc_error = m.alloc_error
         self.epoch = m.epoch
         self.released = False
 
@@ -368,14 +386,25 @@ class Lease:
         return self.client.pool_of(self.epoch).view()
 
     def allocate(self, num_blocks: int) -> tuple[int, ...]:
-        return self.client.allocate(num_blocks, lease_id=self.lease_id).block_ids
+        """`num_blocks` blocks of this lease to write into: first the ones the Match already
+        allocated (no call), then from an Allocate call for the rest."""
+        ids, self.new_block_ids = (self.new_block_ids[:num_blocks],
+                                   self.new_block_ids[num_blocks:])
+        if len(ids) < num_blocks:
+            ids += self.client.allocate(num_blocks - len(ids), lease_id=self.lease_id).block_ids
+        return ids
 
     def keep_alive(self, ttl: float = 0.0) -> float:
         """Renew this lease (e.g. during a long forward pass); returns the TTL granted."""
         return self.client.keep_alive(self.lease_id, ttl=ttl)
 
-    def insert(self, tokens: Any, block_ids: Sequence[int]) -> InsertResult:
-        return self.client.insert(self.namespace, tokens, block_ids, self.lease_id, self.epoch)
+    def insert(self, tokens: Any, block_ids: Sequence[int],
+               release: bool = False) -> InsertResult:
+        """Commit written blocks; with `release`, end the lease in the same call."""
+        result = self.client.insert(self.namespace, tokens, block_ids, self.lease_id,
+                                    self.epoch, release)
+        self.released = self.released or release
+        return result
 
     def release(self) -> int:
         if self.released:

@@ -29,13 +29,14 @@ is microseconds, so finer locking would not pay on CPython.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import secrets
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,6 +94,9 @@ class LeaseMatch:
     num_tokens: int
     block_ids: tuple[int, ...]
     epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
+    new_block_ids: tuple[int, ...] = ()  # allocated for the rest (a match with store_tokens)
+    num_evicted: int = 0  # blocks evicted for new_block_ids
+    alloc_error: str = ""  # why a match with store_tokens allocated nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,10 +214,14 @@ class KVService:
         return self.match_many(owner, [(namespace, tokens)], ttl_s)[0]
 
     def match_many(self, owner: str, queries: Sequence[tuple[str, bytes]],
-                   ttl_s: float | None = None) -> list[LeaseMatch]:
+                   ttl_s: float | None = None,
+                   store_tokens: Sequence[int] | None = None) -> list[LeaseMatch]:
         """Batched match, one lease per query (`ttl_s`: their TTL, None for the default). Every
         query and limit is checked before the first lease opens: a failed batch changes
-        nothing."""
+        nothing. With `store_tokens` (one count per query), each query's lease also gets blocks
+        for the uncached full blocks among its first store_tokens[i] tokens, allocated once
+        every query is matched and pinned; a query that finds no room says so in its
+        `alloc_error` and keeps its match (the batch does not fail)."""
         for namespace, tokens in queries:
             self._check_namespace(namespace)
             self._check_tokens(tokens)
@@ -236,7 +244,27 @@ class KVService:
                 ns.life.hit_tokens += m.num_tokens
                 self._recent.append((n, m.num_tokens))
                 out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids, epoch))
+            if store_tokens is not None:
+                out = [self._allocate_rest(owner, o, queries[i][1], store_tokens[i])
+                       for i, o in enumerate(out)]
         return out
+
+    def _allocate_rest(self, owner: str, m: LeaseMatch, tokens: bytes,
+                       store_tokens: int) -> LeaseMatch:
+        """`m` with blocks allocated for the uncached full blocks of tokens[:store_tokens]."""
+        want = min(store_tokens, num_tokens(tokens)) // self.block_size - len(m.block_ids)
+        if want <= 0:
+            return m
+        try:
+            num_evicted = self._make_room(want)
+        except OutOfBlocks as e:
+            return dataclasses.replace(m, alloc_error=str(e))
+        lease = self._leases[m.lease_id]
+        ids = tuple(self.pool.alloc(want))
+        for b in ids:
+            lease.owned[b] = None
+            self._lease_of_block[b] = lease.lease_id
+        return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted)
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
@@ -279,14 +307,16 @@ class KVService:
         """Commit `block_ids` (one per full block of `tokens`) into the namespace's tree. Each
         id must be leased to `lease_id` or be the id the tree already holds at that position.
         Prefixes already cached are not adopted: those leased blocks return to the free list."""
-        return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)])[0]
+        return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)])[0][0]
 
     def insert_many(
-        self, owner: str, items: Sequence[tuple[int, str, bytes, Sequence[int]]]
-    ) -> list[InsertResult]:
+        self, owner: str, items: Sequence[tuple[int, str, bytes, Sequence[int]]],
+        release: Collection[int] = (),
+    ) -> tuple[list[InsertResult], dict[int, int]]:
         """`insert` for each (lease_id, namespace, tokens, block_ids), all or nothing: every
         item is checked against the state before the first one is applied, and a block id may
-        be claimed by one item only."""
+        be claimed by one item only. Then the leases in `release` (ids of these items) end as
+        `release` ends them. Returns the results and {released lease id: blocks freed}."""
         for _, namespace, tokens, block_ids in items:
             self._check_namespace(namespace)
             self._check_insert(tokens, block_ids)
@@ -295,8 +325,12 @@ class KVService:
             claimed: set[int] = set()
             for lease, (_, namespace, tokens, block_ids) in zip(leases, items, strict=True):
                 self._check_claims(lease, namespace, tokens, block_ids, claimed)
-            return [self._apply_insert(lease, tokens, block_ids)
-                    for lease, (_, _, tokens, block_ids) in zip(leases, items, strict=True)]
+            if not {lease.lease_id for lease in leases}.issuperset(release):
+                raise InvalidArgument("an insert can only release the leases of its items")
+            results = [self._apply_insert(lease, tokens, block_ids)
+                       for lease, (_, _, tokens, block_ids) in zip(leases, items, strict=True)]
+            freed = {lid: self._end_lease(self._leases[lid]) for lid in dict.fromkeys(release)}
+            return results, freed
 
     def keep_alive(self, owner: str, lease_ids: Sequence[int],
                    ttl_s: float | None = None) -> float:

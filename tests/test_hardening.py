@@ -99,8 +99,8 @@ def test_3_insert_batch_is_all_or_nothing(svc):
         svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
                               (m1.lease_id, "ns", toks(*range(200, 208)), ids1)])
     assert svc.stats().cached_blocks == 0
-    out = svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
-                                (m2.lease_id, "ns", toks(*range(100, 108)), ids2)])
+    out, _ = svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
+                                   (m2.lease_id, "ns", toks(*range(100, 108)), ids2)])
     assert [r.adopted for r in out] == [ids1, ids2]
 
 

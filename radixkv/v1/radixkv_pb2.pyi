@@ -61,12 +61,14 @@ class PoolInfoResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., owner_pid: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class MatchQuery(_message.Message):
-    __slots__ = ("namespace", "tokens")
+    __slots__ = ("namespace", "tokens", "store_tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     tokens: bytes
-    def __init__(self, namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+    store_tokens: int
+    def __init__(self, namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., store_tokens: _Optional[int] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("client_id", "queries", "lease_ttl_s")
@@ -79,14 +81,20 @@ class MatchRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[MatchQuery, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("lease_id", "num_tokens", "block_ids")
+    __slots__ = ("lease_id", "num_tokens", "block_ids", "new_block_ids", "num_evicted", "alloc_error")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_ERROR_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     num_tokens: int
     block_ids: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[bytes] = ...) -> None: ...
+    new_block_ids: bytes
+    num_evicted: int
+    alloc_error: str
+    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., alloc_error: _Optional[str] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results", "epoch")
@@ -123,18 +131,20 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class InsertItem(_message.Message):
-    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch")
+    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch", "release")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     namespace: str
     tokens: bytes
     block_ids: bytes
     epoch: str
-    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ...) -> None: ...
+    release: bool
+    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("client_id", "items")
@@ -145,14 +155,16 @@ class InsertRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[InsertItem, _Mapping]]] = ...) -> None: ...
 
 class InsertResult(_message.Message):
-    __slots__ = ("adopted", "duplicates", "num_cached_tokens")
+    __slots__ = ("adopted", "duplicates", "num_cached_tokens", "num_freed")
     ADOPTED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREED_FIELD_NUMBER: _ClassVar[int]
     adopted: bytes
     duplicates: bytes
     num_cached_tokens: int
-    def __init__(self, adopted: _Optional[bytes] = ..., duplicates: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_freed: int
+    def __init__(self, adopted: _Optional[bytes] = ..., duplicates: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., num_freed: _Optional[int] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("results",)
