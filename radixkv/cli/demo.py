@@ -82,7 +82,7 @@ def stage_service(console: Console, sock: str) -> dict[str, Any]:
                 new = lease.allocate(full - len(lease.block_ids))
                 for b in new:  # the engine's KV would go here, in the lease's pool epoch
                     lease.view()[b].fill_(float(user + 1))
-                lease.insert(prompt, lease.block_ids + new)
+                lease.insert(prompt, lease.block_ids + new, release=True)
             console.print(f"  request {user + 1}: {len(prompt)} tokens, "
                           f"{lease.num_tokens} reused from the cache, {len(new)} blocks written")
         out["stats"] = kv.stats(check_integrity=True)

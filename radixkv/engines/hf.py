@@ -169,8 +169,8 @@ class Engine:
             t2 = time.perf_counter()
             logits = self._forward(tokens[use:], use, cache)
             t3 = time.perf_counter()
-            self._store(lease, tokens, cache, view)
-            self._sync(view)  # the gather above may still be queued: finish it before Release
+            if not self._store(lease, tokens, cache, view):
+                self._sync(view)  # the gather may still be queued: finish it before Release
             t4 = time.perf_counter()
         t5 = time.perf_counter()
         timings = {"match": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "store": t4 - t3,
@@ -190,7 +190,9 @@ class Engine:
 
     def _store(self, lease: Lease, tokens: list[int], cache: Any, view: torch.Tensor) -> int:
         """Write the full blocks of `tokens` past the lease's matched ones from `cache` into
-        newly allocated pool blocks and Insert them. Returns the number of blocks written."""
+        the blocks the Match allocated (or an Allocate call's) and Insert them, ending the
+        lease in the same call. Returns the number of blocks written (0: the lease is still
+        open)."""
         assert self.layout is not None
         block_size = self.layout.block_size
         have = len(lease.block_ids)
@@ -210,7 +212,7 @@ class Engine:
         v = torch.stack([value[0, :, start:end].transpose(0, 1) for _, value in layers])
         scatter(view, new, k.to(view.device, view.dtype), v.to(view.device, view.dtype))
         self._sync(view)  # the copy may be queued: complete it before Insert publishes blocks
-        lease.insert(tokens[:end], lease.block_ids + new)
+        lease.insert(tokens[:end], lease.block_ids + new, release=True)
         return len(new)
 
     @torch.inference_mode()

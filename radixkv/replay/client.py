@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.errors import InvalidArgument, OutOfBlocks
-from radixkv.tokens import block_bytes
+from radixkv.tokens import block_bytes, num_tokens
 
 _PERSON = b"radixkv-replay"
 
@@ -51,6 +51,7 @@ class ClientArgs:
     capacity_blocks: int
     verify: bool
     speed: float
+    round_trips: int = 2  # 2: Match allocates and Insert releases; 4: the four-call path
 
 
 class BlockBytes:
@@ -153,8 +154,9 @@ def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, 
         hit = need = 0
         match_ns = release_ns = -1
         if tokens:
+            two = args.round_trips == 2
             t = clock()
-            m = kv.match(namespace, tokens)
+            m = kv.match(namespace, tokens, store_tokens=num_tokens(tokens) if two else 0)
             match_ns = clock() - t
             hit = m.num_tokens
             matched = len(m.block_ids)
@@ -167,7 +169,8 @@ def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, 
                     examples.append(f"request {index} block {i} (pool id {m.block_ids[i]}): "
                                     f"expected {int(keys[i]):#018x}, read {int(got[i]):#018x}")
             need = len(tokens) // bb - matched
-            if need > 0:
+            new = m.new_block_ids
+            if need > 0 and not new:  # the four-call path, or no room at Match time
                 t = clock()
                 new = _allocate(kv, m.lease_id, min(need, args.capacity_blocks))
                 alloc_ns = clock() - t
@@ -176,11 +179,12 @@ def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, 
                     pool.write(new, keys[matched : matched + len(new)])
                 t = clock()
                 kv.insert(namespace, tokens[: (matched + len(new)) * bb], m.block_ids + new,
-                          m.lease_id)
+                          m.lease_id, m.epoch, release=two)
                 insert_ns = clock() - t
-            t = clock()
-            kv.release(m.lease_id)
-            release_ns = clock() - t
+            if not (new and two):
+                t = clock()
+                kv.release(m.lease_id)
+                release_ns = clock() - t
         for key, value in (("index", index), ("hit_tokens", hit), ("match_ns", match_ns),
                            ("allocate_ns", alloc_ns), ("insert_ns", insert_ns),
                            ("release_ns", release_ns), ("dropped", need - len(new))):

@@ -56,6 +56,7 @@ class ReplayReport:
     clients: int
     speed: float  # 0: as fast as possible
     verify: bool
+    round_trips: int  # 2: Match allocates, Insert releases; 4: Match, Allocate, Insert, Release
     num_requests: int
     prompt_tokens: int
     cacheable_tokens: int  # prompt tokens in full blocks
@@ -165,6 +166,7 @@ class RunConfig:
     prefill_tokens_per_s: float
     num_windows: int
     namespace_prefix: str
+    round_trips: int = 2
 
 
 def build_report(run: RunConfig, trace: TraceLog, outs: list[dict[str, Any]], wall: float,
@@ -204,6 +206,7 @@ def build_report(run: RunConfig, trace: TraceLog, outs: list[dict[str, Any]], wa
     return ReplayReport(
         trace=run.trace, target=run.target, policy=run.policy, block_size=block_size,
         capacity_blocks=capacity, clients=run.clients, speed=run.speed, verify=run.verify,
+        round_trips=run.round_trips,
         num_requests=n, prompt_tokens=prompt_tokens,
         cacheable_tokens=opt.num_blocks * block_size,
         hit_tokens=int(hits.sum()), token_hit_rate=rate_of(int(hits.sum())),

@@ -145,6 +145,7 @@ class ReplayOptions:
     num_windows: int  # hit-rate-over-time windows in the report
     progress: bool
     total: int | None  # requests expected (None: unknown), for the progress bar
+    round_trips: int = 2  # per request: 2 (Match allocates, Insert releases) or 4
 
 
 def run_replay(
@@ -158,6 +159,7 @@ def run_replay(
     limit: int | None = None,
     speed: float = 0.0,
     verify: bool = True,
+    round_trips: int = 2,
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
     num_windows: int = 40,
     progress: bool = False,
@@ -169,12 +171,14 @@ def run_replay(
     timestamps divided by it; 0 sends as fast as the clients go."""
     if clients < 1:
         raise InvalidArgument(f"clients must be >= 1, got {clients}")
+    if round_trips not in (2, 4):
+        raise InvalidArgument(f"round_trips must be 2 or 4, got {round_trips}")
     if speed < 0 or prefill_tokens_per_s <= 0:
         raise InvalidArgument("speed must be >= 0 and prefill_tokens_per_s > 0")
     opts = ReplayOptions(
         trace_name or (str(requests) if isinstance(requests, str | Path) else "requests"),
         clients, policy, speed, verify, prefill_tokens_per_s, num_windows, progress,
-        _count_requests(requests, limit))
+        _count_requests(requests, limit), round_trips)
     source: Iterable[Request] = (
         iter_trace(requests, limit) if isinstance(requests, str | Path) else
         (requests if limit is None else (r for i, r in zip(range(limit), requests, strict=False)))
@@ -217,7 +221,8 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         done = ctx.Value("q", 0)
         start = ctx.Value("d", 0.0)
         barrier = ctx.Barrier(opts.clients + 1)
-        args = ClientArgs(target, block_size, capacity, opts.verify, opts.speed)
+        args = ClientArgs(target, block_size, capacity, opts.verify, opts.speed,
+                          opts.round_trips)
         procs = [ctx.Process(target=client_main, args=(args, jobs, results, done, barrier,
                                                         start), daemon=True)
                  for _ in range(opts.clients)]
@@ -249,7 +254,7 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
     peak = max(peak, int(after["cached_blocks"]))
     run = RunConfig(opts.name, "" if own is not None else target, policy, block_size, capacity,
                     opts.clients, opts.speed, opts.verify, opts.prefill_tokens_per_s,
-                    opts.num_windows, prefix)
+                    opts.num_windows, prefix, opts.round_trips)
     return build_report(run, trace, outs, wall, before, after, peak, notes)
 
 
@@ -322,6 +327,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=float, default=0.0,
                    help="follow the trace timestamps divided by this (2: twice as fast); "
                    "0 (default): as fast as possible")
+    p.add_argument("--round-trips", type=int, choices=(2, 4), default=2,
+                   help="per request: 2 (Match also allocates, Insert also releases; default) "
+                   "or 4 (Match, Allocate, Insert, Release)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not write and check block bytes (on by default)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
@@ -357,7 +365,8 @@ def main(args: argparse.Namespace) -> int:
     report = run_replay(
         requests, target=target, block_size=block_size, capacity_blocks=args.capacity_blocks,
         clients=args.clients, policy=args.policy, limit=args.limit, speed=args.speed,
-        verify=not args.no_verify, prefill_tokens_per_s=args.prefill_tokens_per_s,
+        verify=not args.no_verify, round_trips=args.round_trips,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
         num_windows=args.windows, progress=True,
         trace_name=args.trace)
     paths = write_plots(report, args.plots) if args.plots else []
