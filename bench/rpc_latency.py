@@ -18,6 +18,7 @@ rounds' ratios: a shared machine's speed drifts by more than the differences mea
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -41,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
         "hidden_size": 4, "torch_dtype": "float32"}  # 512 B blocks at block_size 16
 ECHO_METHOD = "/bench.Echo/Echo"
+_SEQ = itertools.count()  # per process: every cycle request's suffix is new
 ECHO_WORKERS = 2  # as many call threads as `radixkv serve` runs by default (a fair floor)
 
 
@@ -179,6 +181,43 @@ def run_match(target: str, prompts: list[bytes], batch: int, seconds: float,
     return {"lat": lat, "requests": len(lat) * batch}
 
 
+def run_cycle(target: str, prefix: bytes, tail: bytes, trips: int, seconds: float,
+              barrier_at: float) -> dict[str, object]:
+    """Full request cycles: a prompt of a cached `prefix` and a new suffix (its first token
+    unique per request, so every suffix block is new). trips=4: Match, Allocate, Insert,
+    Release; trips=2: Match that allocates, Insert that releases. No KV is written (both
+    modes alike): this is the service's share of a request."""
+    import struct
+
+    from radixkv.client import STORE_ALL, Client
+
+    kv = Client(target)
+    kv.wait_ready()
+    block = 4 * kv.pool_info().layout.block_size
+    tag = (os.getpid() % 65536) << 16
+    lat = []
+    while time.time() < barrier_at:
+        time.sleep(0.001)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        tokens = prefix + struct.pack("<I", tag + next(_SEQ) % 65536) + tail
+        t0 = time.perf_counter()
+        m = kv.match("cycle", tokens, store_tokens=STORE_ALL if trips == 2 else 0)
+        need = len(tokens) // block - len(m.block_ids)
+        if need <= 0:  # a repeat of an earlier request (after 65,536 of them)
+            kv.release(m.lease_id)
+        elif trips == 2:
+            kv.insert("cycle", tokens, m.block_ids + m.new_block_ids[:need], m.lease_id,
+                      m.epoch, release=True)
+        else:
+            new = kv.allocate(need, lease_id=m.lease_id).block_ids
+            kv.insert("cycle", tokens, m.block_ids + new, m.lease_id, m.epoch)
+            kv.release(m.lease_id)
+        lat.append(time.perf_counter() - t0)
+    kv.close()
+    return {"lat": lat, "requests": len(lat)}
+
+
 def run_echo(target: str, payload: bytes, seconds: float, barrier_at: float
              ) -> dict[str, object]:
     import grpc
@@ -241,16 +280,17 @@ def median_ratio(a: list[dict[str, float]], b: list[dict[str, float]], key: str)
     return float(np.median(round_ratios(a, b, key)))
 
 
-def populate(target: str, prompts: list[bytes], block_size: int):  # type: ignore[no-untyped-def]
+def populate(target: str, prompts: list[bytes], block_size: int,  # type: ignore[no-untyped-def]
+             namespace: str = "bench"):
     """Cache every prompt so each Match is a full hit; returns one Match result."""
     from radixkv.client import Client
 
     with Client(target) as kv:
         for t in prompts:
-            a = kv.allocate(len(t) // 4 // block_size, namespace="bench")
-            kv.insert("bench", t, a.block_ids, a.lease_id)
+            a = kv.allocate(len(t) // 4 // block_size, namespace=namespace)
+            kv.insert(namespace, t, a.block_ids, a.lease_id)
             kv.release(a.lease_id)
-        m = kv.match("bench", prompts[0])
+        m = kv.match(namespace, prompts[0])
         kv.release(m.lease_id)
     return m
 
@@ -328,7 +368,8 @@ def main() -> int:
         kv_servers = [launch("kv", i, lambda sock, port: [
             "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
-            "65536", "--lease-ttl", "600", "--log-level", "warning"], "radixkv serving")
+            "65536", "--lease-ttl", "600", "--max-leases-per-client", "100000000",
+            "--log-level", "warning"], "radixkv serving")
             for i in range(args.replicas)]
         from radixkv.tokens import to_token_bytes
         from radixkv.v1 import radixkv_pb2 as pb
@@ -345,6 +386,17 @@ def main() -> int:
         stub_servers = [launch("stub", i, lambda sock, port: [
             __file__, "--stub-server", sock, str(port), constant.SerializeToString().hex()],
             "stub ready") for i in range(args.replicas)]
+
+        cycle_servers = [launch("cycle", i, lambda sock, port: [
+            "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
+            "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
+            "65536", "--log-level", "warning"], "radixkv serving")
+            for i in range(args.replicas)]
+        shared = args.prompt_tokens // 2 // args.block_size * args.block_size
+        cycle_prefix = prompt(args.seed + 7, shared)
+        cycle_tail = prompt(args.seed + 8, args.prompt_tokens - shared - 1)
+        for sock, _ in cycle_servers:
+            populate(sock, [cycle_prefix], args.block_size, namespace="cycle")
 
         aio_sock = os.path.join(tmp, "aio.sock")
         procs.append(start([sys.executable, __file__, "--aio-server", aio_sock, cfg,
@@ -363,14 +415,20 @@ def main() -> int:
 
             kv_ts, echo_ts, stub_ts = (targets(kv_servers), targets(echo_servers),
                                        targets(stub_servers))
+            cycle_ts = targets(cycle_servers)
+            cycles = {f"cycle{trips}": (run_cycle, [(t, cycle_prefix, cycle_tail, trips)
+                                                    for t in cycle_ts]) for trips in (2, 4)}
             r: dict[str, object] = {}
             s, k = args.seconds, args.rounds
             echo = (run_echo, [(t, payload) for t in echo_ts])
             match = (run_match, [(t, prompts, 1) for t in kv_ts])
             one = run_rounds(1, {"echo": echo, "match": match, "batched": (
-                run_match, [(t, prompts, args.batch) for t in kv_ts])}, s, k)
+                run_match, [(t, prompts, args.batch) for t in kv_ts]), **cycles}, s, k)
             many = run_rounds(args.clients, {"echo": echo, "match": match, "stub": (
-                run_match, [(t, prompts, 1) for t in stub_ts])}, s, k)
+                run_match, [(t, prompts, 1) for t in stub_ts]), **cycles}, s, k)
+            for n, rounds in (("1", one), ("n", many)):
+                r[f"cycle_two_{n}"] = median_of(rounds["cycle2"])
+                r[f"cycle_four_{n}"] = median_of(rounds["cycle4"])
             r["echo_1"], r["match_1"] = median_of(one["echo"]), median_of(one["match"])
             r["match_batched_1"] = median_of(one["batched"])
             r["echo_n"], r["match_n"] = median_of(many["echo"]), median_of(many["match"])
@@ -387,6 +445,10 @@ def main() -> int:
                     median_ratio(many["stub"], many["echo"], "calls_per_s"),
                 "batched_over_unbatched_requests_per_s":
                     median_ratio(one["batched"], one["match"], "requests_per_s"),
+                "cycle_two_over_four_1":
+                    median_ratio(one["cycle2"], one["cycle4"], "requests_per_s"),
+                "cycle_two_over_four_n":
+                    median_ratio(many["cycle2"], many["cycle4"], "requests_per_s"),
             }
             results[transport] = r
             if not args.json:
@@ -409,6 +471,12 @@ def main() -> int:
                       f"{ratios['batched_over_unbatched_requests_per_s']:.1f}x")
                 print(f"[{transport}] Allocate+Insert p50 {r['allocate_insert']['p50_us']:.0f} us"
                       f" p99 {r['allocate_insert']['p99_us']:.0f} us")
+                for n, label in (("1", "1 client"), ("n", f"{args.clients} clients")):
+                    two, four = r[f"cycle_two_{n}"], r[f"cycle_four_{n}"]
+                    print(f"[{transport}] request cycle, {label}: two trips "
+                          f"{two['requests_per_s']:.0f} req/s (p50 {two['p50_us']:.0f} us) vs "
+                          f"four {four['requests_per_s']:.0f} req/s (p50 "
+                          f"{four['p50_us']:.0f} us) | {ratios[f'cycle_two_over_four_{n}']:.2f}x")
         if not args.json:
             sync_u = results["unix"] if "unix" in results else None
             line = (f"[aio vs sync, unix] Match p50 {aio['match_1']['p50_us']:.0f} us, "

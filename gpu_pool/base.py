@@ -338,9 +338,18 @@ class BlockPool(_Slab):
     def free(self, block_ids: Iterable[int]) -> None:
         """Return allocated blocks to the tail of the free list. Ids out of range, already
         free, or repeated raise InvalidArgument, and then nothing is freed."""
-        ids = [_index(i, "block id") for i in block_ids]
+        ids = list(block_ids)
+        if not all(type(i) is int for i in ids):  # numpy integers and the like: checked one by one
+            ids = [_index(i, "block id") for i in ids]
         with self._lock:
             self._check_open()
+            is_free = self._is_free
+            if (ids and len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < self.num_blocks
+                    and not any(map(is_free.__getitem__, ids))):  # the common case, in C
+                for i in ids:
+                    is_free[i] = 1
+                self._free.extend(ids)
+                return
             seen: set[int] = set()
             for i in ids:
                 if not 0 <= i < self.num_blocks:

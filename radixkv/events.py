@@ -36,7 +36,7 @@ class KVEvent:
     parent_block_hash: int | None = None
 
 
-def _hash(parent: bytes, tokens: bytes) -> bytes:
+def _hash(parent: bytes, tokens: bytes | memoryview) -> bytes:
     return hashlib.blake2b(parent + tokens, digest_size=8).digest()
 
 
@@ -52,7 +52,7 @@ class EventLog:
         self._buffer: deque[KVEvent] = deque(maxlen=capacity)
         self._last = 0
         self._cond = threading.Condition()
-        self._hash_of: dict[tuple[str, int], bytes] = {}  # (namespace, block id) -> hash
+        self._hash_of: dict[str, dict[int, int]] = {}  # namespace -> block id -> hash
 
     @property
     def last_sequence(self) -> int:
@@ -69,32 +69,33 @@ class EventLog:
         with self._cond:
             self._last += 1
             self._buffer.append(KVEvent(self._last, namespace, time.time(), "cleared"))
-            for key in [k for k in self._hash_of if k[0] == namespace]:
-                del self._hash_of[key]
+            self._hash_of.pop(namespace, None)
             self._cond.notify_all()
 
     def _append(self, namespace: str, ev: BlockStored | BlockRemoved) -> None:
         self._last += 1
         now = time.time()
+        known = self._hash_of.setdefault(namespace, {})
         if isinstance(ev, BlockStored):
-            salt = hashlib.blake2b(namespace.encode(), digest_size=8).digest()
-            parent = salt if ev.parent_block_id is None else self._hash_of[
-                (namespace, ev.parent_block_id)]
+            if ev.parent_block_id is None:
+                parent_hash = None
+                h = hashlib.blake2b(namespace.encode(), digest_size=8).digest()  # the salt
+            else:
+                parent_hash = known[ev.parent_block_id]
+                h = parent_hash.to_bytes(8, "little")
             run = block_bytes(self.block_size)
+            tokens = memoryview(ev.tokens)
             hashes = []
-            h = parent
-            for i, block_id in enumerate(ev.block_ids):
-                h = _hash(h, ev.tokens[i * run:(i + 1) * run])
-                self._hash_of[(namespace, block_id)] = h
+            for i in range(len(ev.block_ids)):
+                h = _hash(h, tokens[i * run:(i + 1) * run])
                 hashes.append(int.from_bytes(h, "little"))
-            parent_hash = None if ev.parent_block_id is None else int.from_bytes(parent, "little")
+            known.update(zip(ev.block_ids, hashes, strict=True))
             self._buffer.append(KVEvent(self._last, namespace, now, "stored", ev.block_ids,
                                         ev.parent_block_id, ev.tokens, tuple(hashes), parent_hash))
         else:
-            hashes = [int.from_bytes(self._hash_of.pop((namespace, b)), "little")
-                      for b in ev.block_ids]
+            pop = known.pop
             self._buffer.append(KVEvent(self._last, namespace, now, "removed", ev.block_ids,
-                                        block_hashes=tuple(hashes)))
+                                        block_hashes=tuple(map(pop, ev.block_ids))))
 
     def read(self, after: int, timeout: float | None = None,
              limit: int = MAX_BATCH) -> tuple[list[KVEvent], bool]:

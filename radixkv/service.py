@@ -519,6 +519,11 @@ class KVService:
             raise PermissionDenied(f"lease {lease.lease_id} belongs to namespace "
                                    f"{lease.namespace!r}, not {namespace!r}")
         cached = self._namespaces[namespace].tree.match(tokens).block_ids
+        rest = block_ids[len(cached):]
+        if (tuple(block_ids[:len(cached)]) == cached and claimed.isdisjoint(rest)
+                and lease.owned.keys() >= set(rest)):  # the common case, in C
+            claimed.update(rest)
+            return
         for i, b in enumerate(block_ids):
             if i < len(cached) and cached[i] == b:
                 continue
