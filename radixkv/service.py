@@ -327,7 +327,9 @@ class KVService:
                 self._check_claims(lease, namespace, tokens, block_ids, claimed)
             if not {lease.lease_id for lease in leases}.issuperset(release):
                 raise InvalidArgument("an insert can only release the leases of its items")
-            results = [self._apply_insert(lease, tokens, block_ids)
+            ending = set(release)
+            results = [self._apply_insert(lease, tokens, block_ids,
+                                          pin=lease.lease_id not in ending)
                        for lease, (_, _, tokens, block_ids) in zip(leases, items, strict=True)]
             freed = {lid: self._end_lease(self._leases[lid]) for lid in dict.fromkeys(release)}
             return results, freed
@@ -539,8 +541,8 @@ class KVService:
                 raise PermissionDenied(f"block {b} is not allocated to lease {lease.lease_id}")
             raise AlreadyExists(f"block {b} is already cached under another prefix")
 
-    def _apply_insert(self, lease: _Lease, tokens: bytes,
-                      block_ids: Sequence[int]) -> InsertResult:
+    def _apply_insert(self, lease: _Lease, tokens: bytes, block_ids: Sequence[int],
+                      pin: bool = True) -> InsertResult:
         ns = self._namespaces[lease.namespace]
         self._touch(lease)
         result = ns.tree.insert(tokens, block_ids)
@@ -549,11 +551,11 @@ class KVService:
             del self._lease_of_block[b]
         if result.duplicates:
             self.pool.free(list(result.duplicates))
-        # Pin what was inserted for the rest of the lease: the engine may still read it.
-        m = ns.tree.match(tokens)
-        if m.num_tokens:
-            ns.tree.lock(m.handle, hit=False)
-            lease.handles.append(m.handle)
+        if pin:  # what was inserted, for the rest of the lease: the engine may still read it
+            m = ns.tree.match(tokens)
+            if m.num_tokens:
+                ns.tree.lock(m.handle, hit=False)
+                lease.handles.append(m.handle)
         self.events.publish(ns.name, ns.tree.take_events())
         return result
 

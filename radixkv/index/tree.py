@@ -17,6 +17,7 @@ is exactly per-block leaf eviction in a tree of 1-block nodes. Nothing here does
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +98,7 @@ class _Node:
         node_id: int,
         parent: _Node | None,
         tokens: bytes,
-        block_ids: list[int],
+        block_ids: array[int],
         depth: int,
         tick: int,
         now: float,
@@ -148,12 +149,15 @@ class RadixTree:
         )
         if len(self._policy):
             raise InvalidArgument("the eviction policy must start empty")
-        self._root = _Node(0, None, b"", [], 0, 0, time.time())
+        self._root = _Node(0, None, b"", array("I"), 0, 0, time.time())
         self._next_id = 1
         self._tick = 0
         self._clock = clock
         self._version = 0  # bumped by every structural change; fresh handles must match it
-        self._block_index: dict[int, _Node] = {}
+        # Which block ids the tree holds: one byte per id up to the largest seen (ids are pool
+        # indices). A dict from id to node cost ~60 B per cached block; this costs ~1.
+        self._cached = bytearray()
+        self._num_cached = 0
         self._num_nodes = self._num_locked = self._num_evicted = self._num_inserted = 0
         self._depth_counts = [0]  # [d] = nodes whose edge ends d blocks deep; no trailing zeros
         self._events: list[TreeEvent] | None = [] if record_events else None
@@ -164,7 +168,7 @@ class RadixTree:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._block_index)
+        return self._num_cached
 
     @property
     def num_locked_blocks(self) -> int:
@@ -172,7 +176,7 @@ class RadixTree:
 
     @property
     def num_evictable_blocks(self) -> int:
-        return len(self._block_index) - self._num_locked
+        return self._num_cached - self._num_locked
 
     def next_victim_key(self) -> tuple[Any, ...] | None:
         """The policy's sort key of the leaf evict() would trim next (None if nothing is
@@ -298,14 +302,18 @@ class RadixTree:
             )
         if min(given) < 0:
             raise InvalidArgument(f"block ids must be >= 0, got {min(given)}")
+        if max(given) >= 2**32:
+            raise InvalidArgument(f"block ids must be < 2**32, got {max(given)}")
         node, k, cached = self._walk(key)
-        m, index = len(cached), self._block_index
+        m, held = len(cached), self._cached
+        if len(held) <= max(given):  # grow the bitmap geometrically
+            held.extend(bytes(max(max(given) + 1 - len(held), len(held))))
         duplicates = []
         if given[:m] != cached:
             duplicates = [g for g, c in zip(given, cached, strict=False) if g != c]
         new = given[m:]
-        if not index.keys().isdisjoint(duplicates) or not index.keys().isdisjoint(new):
-            i = next(i for i, g in enumerate(given) if g in index and (i >= m or g != cached[i]))
+        if any(map(held.__getitem__, duplicates)) or any(map(held.__getitem__, new)):
+            i = next(i for i, g in enumerate(given) if held[g] and (i >= m or g != cached[i]))
             raise InvalidArgument(f"block id {given[i]} (block {i}) is already cached elsewhere")
 
         if k < len(node.block_ids):
@@ -318,14 +326,16 @@ class RadixTree:
                 self._next_id,
                 node,
                 key[m * bb : num_blocks * bb],
-                new,
+                array("I", new),
                 node.depth + len(new),
                 tick,
                 now,
             )
             self._next_id += 1
             node.children[key[m * bb : (m + 1) * bb]] = leaf
-            index.update(dict.fromkeys(new, leaf))
+            for b in new:
+                held[b] = 1
+            self._num_cached += len(new)
             self._policy.add(leaf)
             self._num_nodes += 1
             self._num_inserted += len(new)
@@ -349,7 +359,7 @@ class RadixTree:
         if num_blocks < 0:
             raise InvalidArgument(f"num_blocks must be >= 0, got {num_blocks}")
         freed: list[int] = []
-        policy, index, bb = self._policy, self._block_index, self._block_bytes
+        policy, held, bb = self._policy, self._cached, self._block_bytes
         while len(freed) < num_blocks and len(policy):
             node = policy.pop()
             keep = max(0, len(node.block_ids) - (num_blocks - len(freed)))
@@ -357,7 +367,8 @@ class RadixTree:
             gone.reverse()
             freed += gone
             for b in gone:
-                del index[b]
+                held[b] = 0
+            self._num_cached -= len(gone)
             self._drop_depth(node.depth)
             if keep:
                 del node.block_ids[keep:]
@@ -385,7 +396,8 @@ class RadixTree:
         matched block ids). The second is < the edge's blocks when the match ends inside it."""
         bb = self._block_bytes
         end = len(key) - len(key) % bb
-        node, pos, ids = self._root, 0, []
+        node, pos = self._root, 0
+        ids: list[int] = []
         while pos < end:
             child = node.children.get(key[pos : pos + bb])
             if child is None:
@@ -427,7 +439,6 @@ class RadixTree:
         node.tokens, node.block_ids = node.tokens[k * bb :], node.block_ids[k:]
         node.parent = front
         front.children[node.tokens[:bb]] = node
-        self._block_index.update(dict.fromkeys(front.block_ids, front))
         self._num_nodes += 1
         self._add_depth(front.depth)
         self._version += 1
@@ -484,7 +495,7 @@ class RadixTree:
                 if parent is not root and n.tick > parent.tick:
                     fail(f"node {nid}: touched after its parent")
                 for b in n.block_ids:
-                    if b in seen or self._block_index.get(b) is not n:
+                    if b in seen or not self._cached[b]:
                         fail(f"block {b}: cached twice or missing from the block index")
                     seen[b] = n
                 if n.lock_count < 0:
@@ -501,8 +512,9 @@ class RadixTree:
                 stack.append(n)
             if parent is not root and child_locks > parent.lock_count:
                 fail(f"node {parent.node_id}: lock count {parent.lock_count} < children's sum")
-        if len(seen) != len(self._block_index):
-            fail(f"block index has {len(self._block_index)} ids, tree holds {len(seen)}")
+        if len(seen) != self._num_cached or self._cached.count(1) != self._num_cached:
+            fail(f"block index has {self._cached.count(1)} ids (counted {self._num_cached}), "
+                 f"tree holds {len(seen)}")
         if len(evictable) != len(self._policy):
             fail(f"policy holds {len(self._policy)} items, {len(evictable)} evictable leaves")
         if (num_nodes, num_locked) != (self._num_nodes, self._num_locked):
