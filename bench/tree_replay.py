@@ -4,6 +4,7 @@
         --block-size 512 --capacity-blocks 16384 [--json]
     python bench/tree_replay.py --trace synthetic --requests 2000 --block-size 16
     python bench/tree_replay.py --trace synthetic --eviction-sizes 1000,10000,100000
+    python bench/tree_replay.py --scale [--scale-sizes 10000,100000,1000000,10000000] [--json]
 
 Per request it follows radixkv.replay.simulate's contract (match, lock, evict what is short, insert,
 unlock). After a warm-up replay it reports token hit rate (matched / prompt tokens), blocks
@@ -11,6 +12,9 @@ evicted, requests/s and match / insert latency; then, in a separate pass under t
 the Python memory the tree uses per cached block (token bytes included, and shown apart).
 --eviction-sizes measures evict() cost per block at several tree sizes, in steady state
 (each new request first evicts what it needs) and one block per call.
+--scale fills one tree with synthetic chats (no eviction) through each size in turn and there
+times match and insert on requests not yet seen (p50/p99), then fills it again under tracemalloc
+for the Python memory per cached block (token bytes, 4 per token, shown apart).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
@@ -69,6 +75,77 @@ def memory_per_block(args: argparse.Namespace) -> dict[str, float]:
         "token_bytes_per_block": float(bb),
         "overhead_bytes_per_block": used / blocks - bb,
     }
+
+
+def synthetic_chats(seed: int) -> Iterator[Request]:
+    """Endless synthetic chat traffic: chunks of 1,000 requests, each chunk with new seeds (new
+    system prompts and conversations)."""
+    for s in range(seed, seed + 10**9):
+        yield from generate_synthetic(1000, s)
+
+
+def _fill(tree: RadixTree, reqs: Iterator[Request], size: int, next_id: int) -> int:
+    """Insert requests until the tree caches `size` blocks; returns the next free block id."""
+    bb = tree.block_size * 4
+    while tree.num_cached_blocks < size:
+        tokens = next(reqs).tokens
+        m = tree.match(tokens)
+        n = len(tokens) // bb
+        tree.insert(tokens[: n * bb], m.block_ids + tuple(range(next_id, next_id + n -
+                                                                len(m.block_ids))))
+        next_id += n - len(m.block_ids)
+    return next_id
+
+
+def tree_memory() -> int:
+    """Bytes tracemalloc holds for objects allocated by the tree and its eviction policy (nodes,
+    edges, children dicts, id arrays, policy entries), not for the requests feeding it."""
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, "*radixkv/index/*")])
+    return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+def scale(args: argparse.Namespace, sizes: list[int], samples: int = 500) -> list[dict[str, Any]]:
+    """Match / insert latency and memory per cached block as one tree grows through `sizes`
+    (each size's `samples` probe requests are inserted too, so the tree grows a little)."""
+    rows = []
+    tree = RadixTree(args.block_size, args.policy, record_events=False)
+    reqs, next_id = synthetic_chats(args.seed), 0
+    for size in sizes:
+        t0 = time.perf_counter()
+        next_id = _fill(tree, reqs, size, next_id)
+        fill_s = time.perf_counter() - t0
+        bb = tree.block_size * 4
+        probe = [next(reqs).tokens for _ in range(samples)]
+        match_ns, insert_ns = [], []
+        for tokens in probe:
+            a = time.perf_counter_ns()
+            m = tree.match(tokens)
+            match_ns.append(time.perf_counter_ns() - a)
+            n = len(tokens) // bb
+            ids = m.block_ids + tuple(range(next_id, next_id + n - len(m.block_ids)))
+            next_id += n - len(m.block_ids)
+            a = time.perf_counter_ns()
+            tree.insert(tokens[: n * bb], ids)
+            insert_ns.append(time.perf_counter_ns() - a)
+        match_us, insert_us = np.asarray(match_ns) / 1e3, np.asarray(insert_ns) / 1e3
+        rows.append({"cached_blocks": size, "nodes": tree.stats().num_nodes, "fill_s": fill_s,
+                     "match_p50_us": float(np.percentile(match_us, 50)),
+                     "match_p99_us": float(np.percentile(match_us, 99)),
+                     "insert_p50_us": float(np.percentile(insert_us, 50)),
+                     "insert_p99_us": float(np.percentile(insert_us, 99))})
+        print(f"scale: {size:,} blocks filled in {fill_s:.1f} s", file=sys.stderr, flush=True)
+    del tree
+    tracemalloc.start()
+    tree = RadixTree(args.block_size, args.policy, record_events=False)
+    reqs, next_id = synthetic_chats(args.seed), 0
+    for row, size in zip(rows, sizes, strict=True):
+        next_id = _fill(tree, reqs, size, next_id)
+        row["bytes_per_block"] = tree_memory() / tree.num_cached_blocks - 4 * args.block_size
+        row["token_bytes_per_block"] = float(4 * args.block_size)
+        print(f"scale: memory at {size:,} blocks measured", file=sys.stderr, flush=True)
+    tracemalloc.stop()
+    return rows
 
 
 def eviction_cost(args: argparse.Namespace, size: int) -> dict[str, float]:
@@ -128,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=200, help="requests replayed first, untimed")
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
     p.add_argument("--eviction-sizes", default="", help="e.g. 1000,10000,100000")
+    p.add_argument("--scale", action="store_true",
+                   help="match / insert latency and memory per block as one tree grows")
+    p.add_argument("--scale-sizes", default="10000,100000,1000000,10000000",
+                   help="cached blocks at which --scale measures (default 10k,100k,1M,10M)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -137,6 +218,18 @@ def main(argv: list[str] | None = None) -> int:
         "capacity_blocks": args.capacity_blocks,
         "policy": args.policy,
     }
+    if args.scale:
+        out["scale"] = scale(args, [int(x) for x in args.scale_sizes.split(",")])
+        first, last = out["scale"][0], out["scale"][-1]
+        out["match_p50_ratio_last_over_first"] = last["match_p50_us"] / first["match_p50_us"]
+        if args.json:
+            emit("tree_replay", out, True)
+        else:
+            for row in out["scale"]:
+                emit("tree_scale", row, False)
+            print(f"match p50 at {last['cached_blocks']:,} blocks / at "
+                  f"{first['cached_blocks']:,}: {out['match_p50_ratio_last_over_first']:.2f}x")
+        return 0
     if args.eviction_sizes:
         sizes = [int(s) for s in args.eviction_sizes.split(",")]
         out["eviction"] = {str(s): eviction_cost(args, s) for s in sizes}

@@ -35,6 +35,15 @@ def test_workload_to_tree_replay(tmp_path):
     assert report["requests"] == 40 and 0 < report["token_hit_rate"] < 1
 
 
+def test_tree_scale_reports_each_size():
+    report = json.loads(run(str(BENCH / "tree_replay.py"), "--scale", "--scale-sizes",
+                            "2000,6000", "--json"))
+    assert [r["cached_blocks"] for r in report["scale"]] == [2000, 6000]
+    for row in report["scale"]:
+        assert row["match_p50_us"] > 0 and row["insert_p50_us"] > 0
+        assert 0 < row["bytes_per_block"] < 1000 and row["token_bytes_per_block"] == 64
+
+
 def test_rpc_latency_runs_every_case():
     """The rpc bench end to end at its smallest: one round, one process of each server."""
     report = json.loads(run(str(BENCH / "rpc_latency.py"), "--transports", "unix", "--rounds", "1",
@@ -42,6 +51,7 @@ def test_rpc_latency_runs_every_case():
     unix = report["unix"]
     assert set(unix["ratios"]) == {"match_p50_over_echo_p50", "match_n_over_echo_n_throughput",
                                    "stub_n_over_echo_n_throughput",
-                                   "batched_over_unbatched_requests_per_s"}
+                                   "batched_over_unbatched_requests_per_s",
+                                   "cycle_two_over_four_1", "cycle_two_over_four_n"}
     assert len(unix["match_n_over_echo_n_by_round"]) == 1 and unix["match_n"]["calls_per_s"] > 0
     assert report["aio_unix"]["match_1"]["p50_us"] > 0
