@@ -130,19 +130,19 @@ def learn(known: Known, method: str, request: Any, answer: Any) -> None:
         for lease_id in dict.fromkeys(request.lease_ids):
             if known.leases.pop(lease_id, None) is not None:
                 known.released.append(lease_id)
-    else:
-        _learn_by_name(known, owner, answer)
-    for f, value in answer.ListFields():
-        if f.type == FD.TYPE_BYTES and ("block" in f.name or f.name == "adopted"):
-            known.add_blocks(unpack(value))
+    _learn_by_name(known, owner, answer)
 
 
 def _learn_by_name(known: Known, owner: str, answer: Any) -> None:
+    """Block ids anywhere in an answer; lease ids of answers to RPCs `learn` does not know."""
     for f, value in answer.ListFields():
         if f.type == FD.TYPE_MESSAGE:
             for sub in (value if f.is_repeated else [value]):
                 _learn_by_name(known, owner, sub)
-        elif f.name == "lease_id" and value and value not in known.leases:
+        elif f.type == FD.TYPE_BYTES and ("block" in f.name or f.name == "adopted"):
+            known.add_blocks(unpack(value))
+        elif (f.name == "lease_id" and value and value not in known.leases
+              and value not in known.released):
             known.leases[value] = LeaseInfo(owner, "")
 
 
@@ -545,8 +545,134 @@ def test_every_request_gets_ok_or_a_documented_status(server, stub, data):
                 except AssertionError:
                     problems.append(f"{method.name} answered {shown(answer)} to "
                                     f"{shown(request)}")
-                learn(known, method.name, request, answer)
+                else:
+                    learn(known, method.name, request, answer)
     finally:
         cleanup(stub, known)
     assert not problems, "\n".join(problems)
     check_server(server, stub)
+
+
+STATE = ("free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases",
+         "requests", "query_tokens", "hit_tokens")
+
+
+def state(stub: Any) -> tuple[Any, ...]:
+    s = stub.Stats(pb.StatsRequest(), timeout=10)
+    spaces = tuple((n.namespace, n.cached_blocks, n.nodes) for n in s.namespaces)
+    return (*(getattr(s, k) for k in STATE), spaces)
+
+
+def describe(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
+    names = (*STATE, "namespaces")
+    return ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in zip(names, before, after, strict=True)
+                     if a != b)
+
+
+@FUZZ
+@given(data=st.data())
+def test_failed_calls_change_nothing(server, stub, data):
+    """A call that fails leaves the service as it was: no lease opened (a failed Allocate), no
+    part of a Match or Insert batch applied, no namespace made. Leases learned from answers
+    are the only ones an example may leave, and cleanup releases them all."""
+    reset(stub)
+    known, problems = Known(), []
+    leases_before = stub.Stats(pb.StatsRequest(), timeout=10).live_leases
+    try:
+        for _ in range(data.draw(st.integers(1, 8), label="calls")):
+            method, request = draw_call(data, known)
+            before = state(stub)
+            code, answers = call(stub, method, request)
+            if code != "OK" and code not in DOCUMENTED:
+                problems.append(f"{method.name} answered {code}: {shown(request)}")
+            for answer in answers:
+                if not method.server_streaming:
+                    learn(known, method.name, request, answer)
+            after = state(stub) if code != "OK" else before
+            if after != before:
+                problems.append(f"{method.name} failed with {code} but changed "
+                                f"{describe(before, after)}: {shown(request)}")
+    finally:
+        cleanup(stub, known)
+    stats = check_server(server, stub)
+    if stats.live_leases != leases_before:
+        problems.append(f"{stats.live_leases - leases_before} lease(s) no answer named left open")
+    assert not problems, "\n".join(problems)
+
+
+# ---- the failures the fuzzer looks for, each in its smallest form -----------------------------
+
+
+def stats_of(stub: Any) -> Any:
+    return stub.Stats(pb.StatsRequest(check_integrity=True), timeout=10)
+
+
+def code_of(fn: Any, request: Any) -> str:
+    try:
+        fn(request, timeout=10)
+    except grpc.RpcError as e:
+        return e.code().name
+    return "OK"
+
+
+def test_failed_allocate_opens_no_lease(stub):
+    """Allocate with lease_id 0 that fails (no room) must not leave the new lease behind."""
+    hog = stub.Allocate(pb.AllocateRequest(client_id="c", namespace="fuzz-a",
+                                           num_blocks=NUM_BLOCKS), timeout=10)
+    try:
+        before = stats_of(stub).live_leases
+        assert code_of(stub.Allocate, pb.AllocateRequest(
+            client_id="c", namespace="fuzz-a", num_blocks=1)) == "RESOURCE_EXHAUSTED"
+        assert stats_of(stub).live_leases == before
+    finally:
+        stub.Release(pb.ReleaseRequest(client_id="c", lease_ids=[hog.lease_id]), timeout=10)
+
+
+def test_failed_insert_batch_changes_nothing(stub):
+    """Insert [a good item, a bad item]: the call fails and the good item is not applied."""
+    tokens = pack(BLOCKS[2] + BLOCKS[3] + BLOCKS[2])
+    m = stub.Match(pb.MatchRequest(client_id="c", queries=[
+        pb.MatchQuery(namespace="fuzz-batch", tokens=tokens)]), timeout=10).results[0]
+    try:
+        ids = stub.Allocate(pb.AllocateRequest(client_id="c", lease_id=m.lease_id,
+                                               num_blocks=3 - m.num_tokens // BLOCK_SIZE),
+                            timeout=10).block_ids
+        before = stats_of(stub)
+        good = pb.InsertItem(lease_id=m.lease_id, namespace="fuzz-batch", tokens=tokens,
+                             block_ids=m.block_ids + ids)
+        bad = pb.InsertItem(lease_id=m.lease_id, namespace="fuzz-batch", tokens=tokens,
+                            block_ids=pack([NUM_BLOCKS + 1] * 3))
+        assert code_of(stub.Insert, pb.InsertRequest(client_id="c", items=[good, bad])) == \
+            "INVALID_ARGUMENT"
+        after = stats_of(stub)
+        assert (after.cached_blocks, after.leased_blocks) == (before.cached_blocks,
+                                                              before.leased_blocks)
+    finally:
+        stub.Release(pb.ReleaseRequest(client_id="c", lease_ids=[m.lease_id]), timeout=10)
+
+
+def test_failed_insert_makes_no_namespace(stub):
+    """An Insert refused for its block ids must not create the namespace it named."""
+    lease = stub.Allocate(pb.AllocateRequest(client_id="c", namespace="fuzz-new",
+                                             num_blocks=1), timeout=10)
+    try:
+        assert "fuzz-new" not in [n.namespace for n in stats_of(stub).namespaces]
+        free = next(b for b in range(NUM_BLOCKS) if b not in unpack(lease.block_ids))
+        assert code_of(stub.Insert, pb.InsertRequest(client_id="c", items=[pb.InsertItem(
+            lease_id=lease.lease_id, namespace="fuzz-new", tokens=pack(BLOCKS[0]),
+            block_ids=pack([free]))])) in ("PERMISSION_DENIED", "ALREADY_EXISTS")
+        assert "fuzz-new" not in [n.namespace for n in stats_of(stub).namespaces]
+    finally:
+        stub.Release(pb.ReleaseRequest(client_id="c", lease_ids=[lease.lease_id]), timeout=10)
+
+
+def test_failed_match_batch_opens_no_lease():
+    """A Match batch that fails part-way (here: the namespace limit, 1024) opens no lease and
+    makes no namespace. Its own server: the batch fills the namespace table."""
+    with running_server(num_blocks=8) as s, grpc.insecure_channel(f"unix://{s.socket}") as ch:
+        stub = radixkv_pb2_grpc.RadixKVStub(ch)
+        queries = [pb.MatchQuery(namespace=f"n{i}", tokens=pack(BLOCKS[0])) for i in range(1100)]
+        assert code_of(stub.Match, pb.MatchRequest(client_id="c", queries=queries)) == \
+            "RESOURCE_EXHAUSTED"
+        stats = stats_of(stub)
+        assert (stats.live_leases, len(stats.namespaces)) == (0, 0)
