@@ -301,6 +301,7 @@ class Chaos:
         self.server_pids: list[int] = []
         self.server: ServerProcess | None = None
         self.kills = self.kills_mid_lease = self.restarts = self.integrity_failures = 0
+        self.server_crashes = 0
         self.slot = 0
 
     # -- processes --
@@ -349,8 +350,8 @@ class Chaos:
             if integrity != "ok":
                 self.integrity_failures += 1
                 log(f"integrity check failed before restart {self.restarts + 1}: {integrity}")
-        except Unavailable as e:
-            log(f"Stats before restart failed: {e}")
+        except RadixKVError as e:
+            log(f"Stats before restart {self.restarts + 1} failed: {e}")
         self.server.stop(signal.SIGKILL)
         self.start_server()
         self.restarts += 1
@@ -378,6 +379,11 @@ class Chaos:
                     self.clients.remove((p, _))
                     self.spawn_client()
                     break
+            if self.server is not None and not self.server.alive():  # not our SIGKILL: a bug
+                self.server_crashes += 1
+                log(f"the server exited by itself ({self.server.proc.returncode}):\n"
+                    f"{self.server.output()[-3000:]}")
+                self.start_server()
             if a.kill_every and now >= next_kill:
                 self.kill_client()
                 next_kill = now + a.kill_every * self.rng.uniform(0.5, 1.5)
@@ -400,7 +406,11 @@ class Chaos:
                 stragglers += 1
                 p.kill()
                 p.join()
-        final = self.settle()
+        try:
+            final = self.settle()
+        except RadixKVError as e:
+            log(f"final Stats failed: {e}")
+            final = {}
         assert self.server is not None
         rc = self.server.stop()
         shm_left = sorted(n for n in _shm_names() - shm_before
@@ -418,6 +428,7 @@ class Chaos:
             "shm_left": len(shm_left),
             "integrity": final.get("integrity", "unreachable"),
             "integrity_failures": self.integrity_failures,
+            "server_crashes": self.server_crashes,
             "requests_per_s": round(t["requests"] / elapsed, 1),
             "server_exit_code": rc, "client_stragglers": stragglers,
             **{k: v for k, v in t.items() if k not in ("requests", "mismatches")},
@@ -457,7 +468,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="A verified replay from N client processes while clients are SIGKILLed "
         "mid-lease and the server is SIGKILLed and restarted on the same socket; checks that no "
-        "hit ever reads wrong bytes and nothing leaks (leases, blocks, shared memory).")
+        "hit ever reads wrong bytes and nothing leaks (leases, blocks, shared memory).",
+        epilog="Output (one line, or one JSON object with --json): requests (full Match..Release "
+        "cycles), client_kills, server_restarts, mismatches (proven reads of wrong bytes: must "
+        "be 0), leaked_blocks and leaked_leases (after the TTL: must be 0), shm_left (segments "
+        "of this run's servers left after the final stop: must be 0), integrity, and the "
+        "clients' counters (blocks verified, errors survived by kind, epochs noticed). Exit "
+        "status 1 when any of those checks fails.")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--minutes", type=float, help="run this long")
     length.add_argument("--seconds", type=float, help="run this long (default 30)")
@@ -489,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     emit("chaos", out, a.json)
     failed = (out["mismatches"] or out["leaked_blocks"] or out["leaked_leases"]
               or out["shm_left"] or out["integrity"] != "ok" or out["integrity_failures"]
-              or out["fatal"] or out["internal_errors"] or out["server_exit_code"])
+              or out["fatal"] or out["internal_errors"] or out["server_exit_code"]
+              or out["server_crashes"])
     return 1 if failed else 0
 
 

@@ -25,7 +25,7 @@ def test_chaos_short_run_keeps_every_hit_correct_and_leaks_nothing():
     assert r["mismatches"] == 0, detail
     assert (r["leaked_blocks"], r["leaked_leases"], r["shm_left"]) == (0, 0, 0), detail
     assert r["integrity"] == "ok" and r["integrity_failures"] == 0, detail
-    assert r["fatal"] == 0 and r["internal_errors"] == 0, detail
+    assert r["fatal"] == 0 and r["internal_errors"] == 0 and r["server_crashes"] == 0, detail
     assert r["client_kills"] >= 1 and r["server_restarts"] >= 1, detail
     assert r["requests"] > 0 and r["verified_blocks"] > 0, detail
     assert r["server_exit_code"] == 0 and out.returncode == 0, detail
