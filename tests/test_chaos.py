@@ -1,0 +1,31 @@
+"""bench/chaos.py, CI-sized: ~30 s of verified replay from 3 client processes while clients are
+SIGKILLed mid-lease and the server is SIGKILLed and restarted on the same socket."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHAOS = Path(__file__).resolve().parents[1] / "bench" / "chaos.py"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_chaos_short_run_keeps_every_hit_correct_and_leaks_nothing():
+    out = subprocess.run([sys.executable, str(CHAOS), "--seconds", "30", "--clients", "3",
+                          "--kill-every", "2", "--restart-every", "5", "--seed", "1", "--json"],
+                         capture_output=True, text=True, timeout=150)
+    assert out.stdout, out.stderr[-4000:]
+    r = json.loads(out.stdout)
+    detail = f"{json.dumps(r, indent=1)}\n{out.stderr[-4000:]}"
+    assert r["mismatches"] == 0, detail
+    assert (r["leaked_blocks"], r["leaked_leases"], r["shm_left"]) == (0, 0, 0), detail
+    assert r["integrity"] == "ok" and r["integrity_failures"] == 0, detail
+    assert r["fatal"] == 0 and r["internal_errors"] == 0 and r["server_crashes"] == 0, detail
+    assert r["client_kills"] >= 1 and r["server_restarts"] >= 1, detail
+    assert r["requests"] > 0 and r["verified_blocks"] > 0, detail
+    assert r["server_exit_code"] == 0 and out.returncode == 0, detail
