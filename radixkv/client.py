@@ -148,7 +148,8 @@ class Client:
             self._channel = grpc.insecure_channel(self.target, options=options)
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)  # type: ignore[no-untyped-call]
         self._mapping: PoolMapping | None = None
-        self._info: PoolInfo | None = None
+        self._info: PoolInfo | None = None  # of the mapped pool (None: not fetched since start)
+        self._epoch: str | None = None  # the newest pool epoch any answer carried
         self.restarts = 0  # service restarts this client noticed (pool epoch changes)
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -192,24 +193,25 @@ class Client:
     def check_epoch(self) -> bool:
         """Ask the service for its pool epoch; re-attach if it changed. True if it changed."""
         info = self.pool_info()
-        changed = self._info is not None and info.epoch != self._info.epoch
+        changed = self._epoch is not None and info.epoch != self._epoch
         if changed:
             self._forget_pool(info.epoch)
-        self._info = info
+        self._info, self._epoch = info, info.epoch
         return changed
 
     def _note_epoch(self, epoch: str) -> None:
         """Match and Allocate answers carry the epoch: a new one means the service restarted,
-        and their block ids belong to the new pool, so drop the old mapping now."""
-        if self._info is not None and epoch != self._info.epoch:
+        and their block ids belong to the new pool, so drop the old mapping now (the next
+        `pool()` maps the new one; `pool_of` refuses to pair ids with another epoch's)."""
+        if self._epoch is not None and epoch != self._epoch:
             self._forget_pool(epoch)
-            self._info = self.pool_info()
+        self._epoch = epoch
 
     def _forget_pool(self, epoch: str) -> None:
-        assert self._info is not None
         log.warning("radixkv service restarted (pool epoch %s -> %s): re-attaching the pool; "
-                    "leases and block ids from before are gone", self._info.epoch, epoch)
+                    "leases and block ids from before are gone", self._epoch, epoch)
         self.restarts += 1
+        self._info = None
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
