@@ -97,6 +97,7 @@ class _Worker:
         self.kv: Client | None = None
         self.pool: BlockBytes | None = None
         self.mapping: Any = None
+        self.seq = 0  # requests sent; odd ones take two round trips, even ones four
 
     def bump(self, name: str, n: int = 1) -> None:
         self.c[C[name]] += n
@@ -126,14 +127,17 @@ class _Worker:
         self.kv = self.pool = self.mapping = None
 
     def request(self, ns: str, tokens: bytes) -> None:
-        """Match -> verify -> Allocate -> write -> Insert -> Release, once."""
+        """Match -> verify -> Allocate -> write -> Insert -> Release, once; every other request
+        in two round trips (the Match allocates, the Insert releases)."""
         kv = self.connect()
         assert self.pool is not None
         bs, ttl = self.args["block_size"], self.args["lease_ttl"]
         keys = block_keys(ns, tokens, bs)
         restarts = kv.restarts
         sent = time.monotonic()
-        m = kv.match(ns, tokens)
+        self.seq += 1
+        two = self.seq % 2
+        m = kv.match(ns, tokens, store_tokens=len(tokens) // 4 if two else 0)
         self.c[C["in_lease"]] = 1
         try:
             if kv.restarts != restarts:  # answered by a new pool: ids not for our mapping
@@ -152,18 +156,21 @@ class _Worker:
             released = False
             try:
                 need = len(keys) - len(m.block_ids)
-                new: tuple[int, ...] = ()
-                if need > 0:
+                new: tuple[int, ...] = m.new_block_ids[:need]
+                if need > 0 and not new:
                     try:
                         new = kv.allocate(need, lease_id=m.lease_id).block_ids
                     except OutOfBlocks:
                         self.bump("out_of_blocks")
                 if new and kv.restarts == restarts:  # (our own lease: always the same pool)
                     self.pool.write(new, keys[len(m.block_ids):])
-                    kv.insert(ns, tokens, m.block_ids + new, m.lease_id)
+                    kv.insert(ns, tokens, m.block_ids + new, m.lease_id,
+                              m.epoch, release=bool(two))
                     self.bump("inserted_blocks", len(new))
-                kv.release(m.lease_id)
-                released = True
+                    released = bool(two)
+                if not released:
+                    kv.release(m.lease_id)
+                    released = True
             finally:
                 if m.block_ids:
                     self.verdict(m, keys, bad, read_in_ttl or released, ns)
