@@ -9,36 +9,18 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import pytest
+from _kv import FakeClock, fill, make_service, toks
 from _server import running_server, tiny_config_path
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
 from radixkv import errors
 from radixkv.client import Client
 from radixkv.server.launch import start_server
-from radixkv.service import KVService, ServiceConfig
-
-BS = 4
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
 def clock():
     return FakeClock()
-
-
-def make_service(clock, num_blocks: int = 8, **config) -> KVService:
-    pool = create_pool(KVLayout(1, 1, 4, "fp32", BS), num_blocks=num_blocks)
-    return KVService(pool, ServiceConfig(lease_ttl_s=10, **config), clock=clock)
 
 
 @pytest.fixture
@@ -47,19 +29,6 @@ def svc(clock):
     yield service
     service.check_integrity()
     service.pool.close()
-
-
-def toks(*ids: int) -> bytes:
-    return np.asarray(ids, dtype="<u4").tobytes()
-
-
-def fill(svc: KVService, ns: str, tokens: bytes, owner: str = "e") -> tuple[int, ...]:
-    m = svc.match(owner, ns, tokens)
-    need = len(tokens) // 4 // BS - len(m.block_ids)
-    new = svc.allocate(owner, m.lease_id, ns, need).block_ids if need else ()
-    svc.insert(owner, m.lease_id, ns, tokens, m.block_ids + new)
-    svc.release(owner, [m.lease_id])
-    return m.block_ids + new
 
 
 # ---- leases and accounting ------------------------------------------------------------------

@@ -3,21 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from _kv import FakeClock, fill, make_service, toks
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
 from radixkv import errors
-from radixkv.service import KVService, ServiceConfig
-
-BS = 4
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -27,27 +15,10 @@ def clock():
 
 @pytest.fixture
 def svc(clock):
-    pool = create_pool(KVLayout(1, 1, 4, "fp32", BS), num_blocks=8)
-    service = KVService(pool, ServiceConfig(lease_ttl_s=10), clock=clock)
+    service = make_service(clock)
     yield service
     service.check_integrity()
-    pool.close()
-
-
-def toks(*ids: int) -> bytes:
-    import numpy as np
-
-    return np.asarray(ids, dtype="<u4").tobytes()
-
-
-def fill(svc: KVService, ns: str, tokens: bytes, owner: str = "e") -> tuple[int, ...]:
-    """One full request; returns the prompt's block ids."""
-    m = svc.match(owner, ns, tokens)
-    need = len(tokens) // 4 // BS - len(m.block_ids)
-    new = svc.allocate(owner, m.lease_id, ns, need).block_ids if need else ()
-    svc.insert(owner, m.lease_id, ns, tokens, m.block_ids + new)
-    svc.release(owner, [m.lease_id])
-    return m.block_ids + new
+    service.pool.close()
 
 
 def test_request_path_exact_ids(svc):

@@ -4,30 +4,20 @@ path's outcome."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from _kv import BS, make_service, toks
 from _server import running_server
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
 from radixkv import errors
 from radixkv.client import STORE_ALL, Client
-from radixkv.service import KVService, ServiceConfig
-
-BS = 4
 
 
 @pytest.fixture
 def svc():
-    pool = create_pool(KVLayout(1, 1, 4, "fp32", BS), num_blocks=8)
-    service = KVService(pool, ServiceConfig(lease_ttl_s=10))
+    service = make_service()
     yield service
     service.check_integrity()
-    pool.close()
-
-
-def toks(*ids: int) -> bytes:
-    return np.asarray(ids, dtype="<u4").tobytes()
+    service.pool.close()
 
 
 def test_match_allocates_the_uncached_rest(svc):
