@@ -238,6 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_arguments(p)
     p.set_defaults(func=replay.main)
 
+    from radixkv.cli import chat
+
+    p = sub.add_parser("chat", help="chat with the real model, reusing KV through the service",
+                       description="A tiny serving front end: one engine (SmolLM2-135M, CPU) "
+                       "over a running service (`radixkv serve --preset smollm2-135m`). Each "
+                       "turn re-sends the whole chat; prints the answer and 'reused N of M "
+                       "prompt tokens, TTFT x ms (no cache: y ms)'.")
+    chat.add_arguments(p)
+    p.set_defaults(func=chat.main)
+
     return parser
 
 
