@@ -5,12 +5,18 @@ Scripts run as `python bench/<name>.py`, so bench/ is on sys.path and they `from
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -72,3 +78,26 @@ def emit(name: str, fields: Mapping[str, Any], as_json: bool) -> None:
         print(json.dumps({"bench": name, **fields}, indent=2))
     else:
         print(summary_line(name, fields))
+
+
+@contextlib.contextmanager
+def radixkv_server(directory: str, *flags: str) -> Iterator[str]:
+    """`radixkv serve --socket DIRECTORY/s.sock *flags` in a subprocess; yields the socket path
+    once it serves, SIGTERMs it at exit."""
+    sock = f"{directory}/s.sock"
+    args = [sys.executable, "-m", "radixkv", "serve", "--socket", sock, "--log-level", "warning",
+            *flags]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if line.startswith("radixkv serving on"):
+                break
+        else:
+            proc.wait()
+            raise SystemExit(f"radixkv serve exited {proc.returncode} before serving")
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(15)

@@ -144,6 +144,7 @@ class Engine:
         """Run `tokens` at positions start.. on top of `cache` (which grows); last logits."""
         return self._forward_hidden(tokens, start, cache)[0]
 
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over hidden states (e.g. `PrefillResult.hidden`), as fp32."""
         out: torch.Tensor = self.lm_head(hidden)
