@@ -203,12 +203,16 @@ def entry_problem(entry: Path, expected_fingerprint: str) -> str | None:
         return "manifest lists no weights"
     for name, meta in files.items():
         path = entry / name
-        if not path.is_file():
+        try:
+            size = path.stat().st_size
+            if size != meta.get("size"):
+                return f"{name} has {size} bytes, the manifest says {meta.get('size')}"
+            if _crc32(path) != meta.get("crc32"):
+                return f"{name} does not match its crc32"
+        except FileNotFoundError:
             return f"{name} is missing"
-        if path.stat().st_size != meta.get("size"):
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {meta.get('size')}"
-        if _crc32(path) != meta.get("crc32"):
-            return f"{name} does not match its crc32"
+        except OSError as e:
+            return f"{name} is unreadable: {e}"
     return None
 
 
