@@ -12,10 +12,15 @@ At least one token is always computed (there must be logits): a fully cached pro
 but its last token. The KV is exactly what the model computed (copies are bit-exact), so reused
 logits equal a full recompute up to float rounding (the suffix attention merges two partial
 softmaxes, radixkv.engines.attention: within 2e-7 in fp32 on CPU).
+
+The lease pins the matched blocks from Match to Insert. A forward that outlives the service's
+lease TTL (a long prompt on CPU) loses it: the engine then matches again and stores under the
+new lease. A read-only prefill (`store=False`) releases its lease before the forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -28,7 +33,7 @@ import torch
 from gpu_pool import gather, scatter
 from gpu_pool.layout import KVLayout
 from radixkv.client import Client, Lease
-from radixkv.errors import InvalidArgument, OutOfBlocks
+from radixkv.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVError
 
 log = logging.getLogger("radixkv.engines.hf")
 
@@ -165,7 +170,8 @@ class Engine:
             raise InvalidArgument("prefill needs at least one token")
         t0 = time.perf_counter()
         tokens = list(tokens)
-        with self.kv.lease(self.namespace, tokens) as lease:
+        lease = self.kv.lease(self.namespace, tokens)
+        try:
             view = self._pool_view()
             t1 = time.perf_counter()
             use = min(lease.num_tokens, len(tokens) - 1)
@@ -178,12 +184,27 @@ class Engine:
                 for layer in range(k.shape[0]):
                     cache.update(k[layer, :use].transpose(0, 1).unsqueeze(0),
                                  v[layer, :use].transpose(0, 1).unsqueeze(0), layer)
+            if not store:
+                lease.release()  # the KV is copied: no pins held across the forward
             t2 = time.perf_counter()
             logits, hidden = self._forward_hidden(tokens[use:], use, cache)
             t3 = time.perf_counter()
             if store:
-                self._store(lease, tokens, cache, view)
+                try:
+                    self._store(lease, tokens, cache, view)
+                except LeaseExpired:  # the forward outlived the lease TTL: match again
+                    log.warning("lease expired during a %.1f s forward; storing under a new "
+                                "one (serve with a --lease-ttl above the longest prefill)",
+                                t3 - t2)
+                    with self.kv.lease(self.namespace, tokens) as again:
+                        self._store(again, tokens, cache, self._pool_view())
             t4 = time.perf_counter()
+        except BaseException:
+            with contextlib.suppress(RadixKVError):  # keep the original error
+                lease.release()
+            raise
+        with contextlib.suppress(LeaseExpired):  # expired: the service already dropped the pins
+            lease.release()
         t5 = time.perf_counter()
         timings = {"match": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "store": t4 - t3,
                    "release": t5 - t4, "total": t5 - t0}
