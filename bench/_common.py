@@ -5,12 +5,16 @@ Scripts run as `python bench/<name>.py`, so bench/ is on sys.path and they `from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -72,3 +76,13 @@ def emit(name: str, fields: Mapping[str, Any], as_json: bool) -> None:
         print(json.dumps({"bench": name, **fields}, indent=2))
     else:
         print(summary_line(name, fields))
+
+
+@contextlib.contextmanager
+def radixkv_server(directory: str, *flags: str) -> Iterator[str]:
+    """`radixkv serve --socket DIRECTORY/s.sock *flags` in a subprocess (radixkv.server.launch);
+    yields the socket path once it serves, SIGTERMs it at exit."""
+    from radixkv.server.launch import server_process
+
+    with server_process(*flags, socket=f"{directory}/s.sock") as server:
+        yield server.socket

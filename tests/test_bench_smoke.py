@@ -55,3 +55,20 @@ def test_rpc_latency_runs_every_case():
                                    "cycle_two_over_four_1", "cycle_two_over_four_n"}
     assert len(unix["match_n_over_echo_n_by_round"]) == 1 and unix["match_n"]["calls_per_s"] > 0
     assert report["aio_unix"]["match_1"]["p50_us"] > 0
+
+
+def test_ttft_and_accuracy_benches_on_the_real_model(smollm2):
+    """The JSON shapes the checks read, at the smallest sizes (the figures are the README's)."""
+    report = json.loads(run(str(BENCH / "ttft.py"), "--model", "smollm2-135m",
+                            "--prompt-tokens", "64", "--shares", "0,50", "--repeat", "1",
+                            "--turns", "2", "--answer-tokens", "4", "--json"))
+    assert [r["shared_pct"] for r in report["rows"]] == [0, 50]
+    assert all(r["ratio"] > 0 and r["radixkv_overhead_ms"] >= 0 for r in report["rows"])
+    assert [t["cached_tokens"] > 0 for t in report["turns"]] == [False, True]
+    report = json.loads(run(str(BENCH / "kv_accuracy.py"), "--contexts", "64", "--windows", "1",
+                            "--json"))
+    assert report["model"] == "smollm2-135m"
+    [row] = report["rows"]
+    assert set(row) >= {"kv_dtype", "context", "ppl_reference", "ppl_pool", "delta_ppl_pct",
+                        "max_abs_logit_diff"}
+    assert (row["kv_dtype"], row["context"]) == ("fp32", 64)

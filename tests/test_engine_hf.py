@@ -12,6 +12,7 @@ import contextlib
 import logging
 import random
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -192,4 +193,34 @@ def test_a_restarted_service_is_reattached(model: Any) -> None:
             assert again.cached_tokens == 39
             assert_same_as_recompute(fresh, prompt, again)
             fresh.close()
+        engine.close()
+
+
+def test_a_forward_longer_than_the_lease_ttl_still_caches(model: Any,
+                                                          caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    prompt = make_tokens(40, seed=40)
+    caplog.set_level(logging.WARNING, logger="radixkv.engines.hf")
+    with tempfile.TemporaryDirectory(prefix="rkv-hf-") as directory, running_server(
+            "--model-config", tiny_llama.write_config(directory, "test"), lease_ttl=0.3) as srv:
+        engine = Engine(model, srv.socket, "slow")
+        engine.prefill(prompt)  # cached while the forward is fast
+        forward = engine._forward_hidden
+
+        def slow_forward(*args: Any) -> Any:
+            time.sleep(0.8)  # the lease taken at Match expires meanwhile
+            return forward(*args)
+
+        monkeypatch.setattr(engine, "_forward_hidden", slow_forward)
+        longer = prompt + make_tokens(20, seed=41)
+        got = engine.prefill(longer)
+        assert got.cached_tokens == 40
+        assert "lease expired during a" in caplog.text
+        assert_same_as_recompute(engine, longer, got)
+        read = engine.prefill(longer, store=False)  # released before the forward: no error
+        assert read.cached_tokens == 59
+        monkeypatch.undo()
+        assert engine.kv is not None
+        assert engine.kv.stats(check_integrity=True)["integrity"] == "ok"
         engine.close()

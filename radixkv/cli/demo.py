@@ -116,12 +116,36 @@ def stage_inspect(console: Console, sock: str) -> dict[str, Any]:
 
 
 def stage_engines(console: Console) -> dict[str, Any]:
-    from radixkv.engines.demo import demo_serve_flags, run_engine_demo
+    from radixkv.engines import chat_demo
+    from radixkv.engines.models import ModelNotAvailable
 
-    console.rule("[bold]6. Two engine processes reuse KV (a tiny random-weight Llama, CPU)")
-    with tempfile.TemporaryDirectory(prefix="radixkv-demo-model-") as directory, \
-            server_process(*demo_serve_flags(directory)) as server:  # one service per model
-        result = run_engine_demo(server.socket)
+    try:
+        chat_demo.prepare(notify=lambda message: console.print(f"[dim]{message}[/]"))
+    except ModelNotAvailable as e:
+        console.print(f"[yellow]the real model is not available: {e}\nshowing a tiny "
+                      f"random-weight Llama instead[/]")
+        return _stage_tiny_engines(console)
+    console.rule(f"[bold]6. Two engine processes, two chats, one shared system prompt "
+                 f"({chat_demo.MODEL}, CPU)")
+    console.print("Each turn re-sends the whole chat and is served by the other engine process "
+                  "than the turn before; every turn also runs without radixkv to compare.")
+
+    def show(r: dict[str, Any]) -> None:
+        same = "[green]yes[/]" if r["match"] else "[red]NO[/]"
+        console.print(f"[bold]{r['name']}[/] (engine {r['engine']})  [cyan]user:[/] {r['user']}")
+        console.print(f"  [cyan]assistant:[/] {r['answer'].strip()}", highlight=False)
+        console.print(f"  reused {r['cached_tokens']} of {r['prompt_tokens']} prompt tokens, "
+                      f"TTFT {r['ttft_s'] * 1e3:.0f} ms (no cache: "
+                      f"{r['ttft_no_cache_s'] * 1e3:.0f} ms); identical to a no-cache run: "
+                      f"{same}")
+
+    with server_process(*chat_demo.serve_flags()) as server:  # one service per model
+        result = chat_demo.run_chat_demo(server.socket, on_turn=show)
+    _engine_table(console, result)
+    return result
+
+
+def _engine_table(console: Console, result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table("request", "engine", "tokens", "reused", "TTFT", "no cache", "same output")
@@ -133,7 +157,17 @@ def stage_engines(console: Console) -> dict[str, Any]:
     console.print(table)
     console.print(f"TTFT saved in all: {result['ttft_saved_s'] * 1e3:.0f} ms; generated tokens "
                   f"identical to a no-cache run: {result['all_match']}")
-    return result
+
+
+def _stage_tiny_engines(console: Console) -> dict[str, Any]:
+    from radixkv.engines.demo import demo_serve_flags, run_engine_demo
+
+    console.rule("[bold]6. Two engine processes reuse KV (a tiny random-weight Llama, CPU)")
+    with tempfile.TemporaryDirectory(prefix="radixkv-demo-model-") as directory, \
+            server_process(*demo_serve_flags(directory)) as server:  # one service per model
+        result = run_engine_demo(server.socket)
+    _engine_table(console, result)
+    return {"model": "tiny-demo", **result}
 
 
 def run_demo(requests: int = 2000, json_out: bool = False, engines: bool = True) -> int:

@@ -289,13 +289,28 @@ def _add_replay(sub: Any) -> None:
     p.set_defaults(func=replay.main)
 
 
+
+def _add_chat(sub: Any) -> None:
+    """`radixkv chat`: the real model over a running service (radixkv/cli/chat.py)."""
+    from radixkv.cli import chat
+
+    p = sub.add_parser("chat", help="chat with the real model, reusing KV through the service",
+                       description="A tiny serving front end: one engine (SmolLM2-135M, CPU) "
+                       "over a running service (`radixkv serve --preset smollm2-135m`). Each "
+                       "turn re-sends the whole chat; prints the answer and 'reused N of M "
+                       "prompt tokens, TTFT x ms (no cache: y ms)'.")
+    chat.add_arguments(p)
+    p.set_defaults(func=chat.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixkv",
         description="radixkv: a prefix KV-cache service for LLM inference engines.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_calc, _add_serve, _add_demo, _add_views, _add_clear, _add_replay):
+    for add in (_add_calc, _add_serve, _add_demo, _add_chat, _add_views, _add_clear,
+                _add_replay):
         add(sub)
     return parser
 

@@ -12,10 +12,15 @@ At least one token is always computed (there must be logits): a fully cached pro
 but its last token. The KV is exactly what the model computed (copies are bit-exact), so reused
 logits equal a full recompute up to float rounding (the suffix attention merges two partial
 softmaxes, radixkv.engines.attention: within 2e-7 in fp32 on CPU).
+
+The lease pins the matched blocks from Match to Insert. A forward that outlives the service's
+lease TTL (a long prompt on CPU) loses it: the engine then matches again and stores under the
+new lease. A read-only prefill (`store=False`) releases its lease before the forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -27,8 +32,8 @@ import torch
 
 from gpu_pool import gather, scatter
 from gpu_pool.layout import KVLayout
-from radixkv.client import Client, Lease
-from radixkv.errors import InvalidArgument, OutOfBlocks
+from radixkv.client import STORE_ALL, Client, Lease
+from radixkv.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVError
 
 log = logging.getLogger("radixkv.engines.hf")
 
@@ -56,6 +61,10 @@ class PrefillResult:
     cache: Any  # transformers DynamicCache holding the KV of every prompt token
     cached_tokens: int  # prompt tokens whose KV came from radixkv (not computed)
     timings: dict[str, float] = field(default_factory=dict)  # seconds; "total" is the TTFT
+    # with return_hidden: the final (normed) hidden states of the computed positions
+    # cached_tokens.. as [tokens, hidden]; the LM head of row i gives the logits after token
+    # cached_tokens + i
+    hidden: torch.Tensor | None = None
 
 
 class Engine:
@@ -130,30 +139,47 @@ class Engine:
         except TypeError:  # transformers < 4.56
             return DynamicCache()
 
-    def _forward(self, tokens: Sequence[int], start: int, cache: Any) -> torch.Tensor:
-        """Run `tokens` at positions start.. on top of `cache` (which grows); last logits."""
+    def _forward_hidden(self, tokens: Sequence[int], start: int, cache: Any
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `tokens` at positions start.. on top of `cache` (which grows). Returns the last
+        logits and the hidden states of every position ([tokens, hidden]); the LM head runs
+        on the last position only (over a 49k vocabulary it would cost more than the rest)."""
         device = self.model.device
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
         positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
         out = self.decoder(input_ids=ids, position_ids=positions, use_cache=True,
                            **{self._cache_kw: cache})
-        logits: torch.Tensor = self.lm_head(out.last_hidden_state[0, -1])
-        return logits.float()
+        hidden: torch.Tensor = out.last_hidden_state[0]
+        logits: torch.Tensor = self.lm_head(hidden[-1])
+        return logits.float(), hidden
+
+    def _forward(self, tokens: Sequence[int], start: int, cache: Any) -> torch.Tensor:
+        """Run `tokens` at positions start.. on top of `cache` (which grows); last logits."""
+        return self._forward_hidden(tokens, start, cache)[0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over hidden states (e.g. `PrefillResult.hidden`), as fp32."""
+        out: torch.Tensor = self.lm_head(hidden)
+        return out.float()
 
     # ---- the request path --------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, tokens: Sequence[int]) -> PrefillResult:
+    def prefill(self, tokens: Sequence[int], *, store: bool = True,
+                return_hidden: bool = False) -> PrefillResult:
         """Match -> copy cached blocks into a DynamicCache -> run the model on the rest -> write
         the newly completed full blocks to the pool -> Insert -> Release. Without a service, the
-        same as `prefill_no_cache`."""
+        same as `prefill_no_cache`. `store=False` reads the cache without adding to it;
+        `return_hidden` keeps the computed positions' hidden states (`PrefillResult.hidden`)."""
         if self.kv is None:
-            return self.prefill_no_cache(tokens)
+            return self.prefill_no_cache(tokens, return_hidden=return_hidden)
         if not tokens:
             raise InvalidArgument("prefill needs at least one token")
         t0 = time.perf_counter()
         tokens = list(tokens)
-        with self.kv.lease(self.namespace, tokens) as lease:
+        lease = self.kv.lease(self.namespace, tokens, store_tokens=STORE_ALL if store else 0)
+        try:
             view = self._pool_view(lease)
             t1 = time.perf_counter()
             use = min(lease.num_tokens, len(tokens) - 1)
@@ -166,27 +192,47 @@ class Engine:
                 for layer in range(k.shape[0]):
                     cache.update(k[layer, :use].transpose(0, 1).unsqueeze(0),
                                  v[layer, :use].transpose(0, 1).unsqueeze(0), layer)
-            t2 = time.perf_counter()
-            logits = self._forward(tokens[use:], use, cache)
-            t3 = time.perf_counter()
-            if not self._store(lease, tokens, cache, view):
+            if not store:
                 self._sync(view)  # the gather may still be queued: finish it before Release
+                lease.release()  # the KV is copied: no pins held across the forward
+            t2 = time.perf_counter()
+            logits, hidden = self._forward_hidden(tokens[use:], use, cache)
+            t3 = time.perf_counter()
+            if store:
+                try:
+                    self._store(lease, tokens, cache, view)
+                except LeaseExpired:  # the forward outlived the lease TTL: match again
+                    log.warning("lease expired during a %.1f s forward; storing under a new "
+                                "one (serve with a --lease-ttl above the longest prefill)",
+                                t3 - t2)
+                    with self.kv.lease(self.namespace, tokens) as again:
+                        self._store(again, tokens, cache, self._pool_view(again))
             t4 = time.perf_counter()
+        except BaseException:
+            with contextlib.suppress(RadixKVError):  # keep the original error
+                lease.release()
+            raise
+        if not lease.released:  # nothing was stored (an Insert would have ended the lease)
+            self._sync(view)  # the gather may still be queued: finish it before Release
+            with contextlib.suppress(LeaseExpired):  # expired: the pins are already dropped
+                lease.release()
         t5 = time.perf_counter()
         timings = {"match": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "store": t4 - t3,
                    "release": t5 - t4, "total": t5 - t0}
-        return PrefillResult(logits, cache, use, timings)
+        return PrefillResult(logits, cache, use, timings, hidden if return_hidden else None)
 
     @torch.inference_mode()
-    def prefill_no_cache(self, tokens: Sequence[int]) -> PrefillResult:
+    def prefill_no_cache(self, tokens: Sequence[int], *,
+                         return_hidden: bool = False) -> PrefillResult:
         """The baseline: the whole prompt through the model, no radixkv."""
         if not tokens:
             raise InvalidArgument("prefill needs at least one token")
         t0 = time.perf_counter()
         cache = self._new_cache()
-        logits = self._forward(tokens, 0, cache)
+        logits, hidden = self._forward_hidden(tokens, 0, cache)
         elapsed = time.perf_counter() - t0
-        return PrefillResult(logits, cache, 0, {"forward": elapsed, "total": elapsed})
+        return PrefillResult(logits, cache, 0, {"forward": elapsed, "total": elapsed},
+                             hidden if return_hidden else None)
 
     def _store(self, lease: Lease, tokens: list[int], cache: Any, view: torch.Tensor) -> int:
         """Write the full blocks of `tokens` past the lease's matched ones from `cache` into
