@@ -60,6 +60,7 @@ from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 MAX_NAMESPACE_LEN = 256
 # Namespace names: printable ASCII without spaces ("llama3-8b@rev1", "tenant-a/chat:v2").
 NAMESPACE_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
+MIN_LEASE_TTL_S = 1.0  # the shortest TTL a call may ask for (unless the default is shorter)
 EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to tell "expired" from "unknown"
 
 
@@ -479,10 +480,13 @@ class KVService:
                                   "ASCII without spaces")
 
     def _ttl(self, ttl_s: float | None) -> float:
+        """The TTL a call asked for (None or 0: the default), within [min(1 s, default), cap]:
+        a lease that would expire before its answer arrives is no use to anyone."""
         if not ttl_s:
             return self.config.lease_ttl_s
-        if not 0 < ttl_s <= self.config.max_lease_ttl_s:
-            raise InvalidArgument(f"lease ttl {ttl_s:g} s is outside (0, "
+        low = min(MIN_LEASE_TTL_S, self.config.lease_ttl_s)
+        if not low <= ttl_s <= self.config.max_lease_ttl_s:
+            raise InvalidArgument(f"lease ttl {ttl_s:g} s is outside [{low:g}, "
                                   f"{self.config.max_lease_ttl_s:g}] (the server's cap)")
         return ttl_s
 
