@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from radixkv.engines import models
     from radixkv.engines.hf import Engine
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     loaded = models.load(model_name(args.model), seed=args.seed,
@@ -186,6 +188,10 @@ def main() -> int:
                    help="greedy tokens answered per chat turn (32)")
     p.add_argument("--attn", default="radixkv", choices=["radixkv", "sdpa", "eager"],
                    help="attention implementation of the model (both paths)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (default: torch's, one per core). 1 keeps the ratios "
+                   "steady on a machine that others load: with 2 threads on 2 busy cores each "
+                   "kernel waits for the thread the scheduler left out, whatever its size")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
