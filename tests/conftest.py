@@ -34,3 +34,22 @@ def smollm2() -> Any:
         return models.load(models.REAL_MODEL)
     except models.ModelNotAvailable as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture
+def clock() -> Any:
+    """A settable clock for an in-process KVService (tests/_kv.py)."""
+    from _kv import FakeClock
+
+    return FakeClock()
+
+
+@pytest.fixture
+def svc(clock: Any) -> Any:
+    """An in-process KVService on an 8-block pool; its integrity is checked at teardown."""
+    from _kv import make_service
+
+    service = make_service(clock)
+    yield service
+    service.check_integrity()
+    service.pool.close()

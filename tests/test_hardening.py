@@ -10,26 +10,12 @@ import tempfile
 import time
 
 import pytest
-from _kv import FakeClock, fill, make_service, toks
+from _kv import fill, make_service, toks
 from _server import running_server, tiny_config_path
 
 from radixkv import errors
 from radixkv.client import Client
 from radixkv.server.launch import start_server
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
-
-
-@pytest.fixture
-def svc(clock):
-    service = make_service(clock)
-    yield service
-    service.check_integrity()
-    service.pool.close()
-
 
 # ---- leases and accounting ------------------------------------------------------------------
 

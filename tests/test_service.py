@@ -3,22 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from _kv import FakeClock, fill, make_service, toks
+from _kv import fill, toks
 
 from radixkv import errors
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
-
-
-@pytest.fixture
-def svc(clock):
-    service = make_service(clock)
-    yield service
-    service.check_integrity()
-    service.pool.close()
 
 
 def test_request_path_exact_ids(svc):
