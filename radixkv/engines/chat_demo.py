@@ -73,7 +73,9 @@ def init_worker(socket_path: str, model: str) -> None:
     torch.set_num_threads(1)
     loaded = models.load(model)
     engine = Engine(loaded.model, socket_path, loaded.namespace)
-    engine.prefill_no_cache(list(range(32)))  # warm-up: first-call costs out of the TTFTs
+    # warm-up, so that first-call costs stay out of the TTFTs: the first long forward of a
+    # process is ~30 % slower (its buffers are new), hence a prompt-sized one
+    engine.prefill_no_cache(list(range(1024)))
     engine.prefill(list(range(32)), store=False)
     _worker = (engine, loaded.tokenizer)
 
