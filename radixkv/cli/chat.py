@@ -100,8 +100,11 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--max-new-tokens must be at least 1")
     system = args.system
     if args.system_file:
-        with open(args.system_file) as f:
-            system = f.read()
+        try:
+            with open(args.system_file) as f:
+                system = f.read()
+        except OSError as e:
+            raise SystemExit(f"radixkv chat: cannot read --system-file: {e}") from None
     if args.threads:
         import torch
 
