@@ -81,7 +81,12 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args()
-    report = run(args)
+    from radixkv.errors import RadixKVError
+
+    try:
+        report = run(args)
+    except RadixKVError as e:
+        raise SystemExit(f"kv_accuracy: {e}") from None
     if not args.json:
         print_table(report)
     summary = {f"dppl_pct/max_dlogit@{r['kv_dtype']}/{r['context']}":

@@ -47,7 +47,7 @@ def chat_cli(socket: str, *args: str) -> dict[str, Any]:
 
 def test_a_chat_in_another_process_reuses_every_turn_and_matches(smollm2: Any,
                                                                  server: RunningServer) -> None:
-    args = ["--system", SYSTEM, "--max-new-tokens", "12", "--verify", "--json"]
+    args = ["--system", SYSTEM, "--max-new-tokens", "12", "--verify", "--threads", "1", "--json"]
     for question in QUESTIONS:
         args += ["--message", question]
     report = chat_cli(server.socket, *args)

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="also generate each answer without radixkv and say whether the "
                    "tokens are identical")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (default: torch's, one per core; 1 keeps TTFTs steady "
+                   "when other work shares the cores)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with every turn at the end (and nothing else "
                    "on stdout)")
@@ -97,8 +100,15 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--max-new-tokens must be at least 1")
     system = args.system
     if args.system_file:
-        with open(args.system_file) as f:
-            system = f.read()
+        try:
+            with open(args.system_file) as f:
+                system = f.read()
+        except OSError as e:
+            raise SystemExit(f"radixkv chat: cannot read --system-file: {e}") from None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     _check_layout(args.target or args.socket, args.model)  # before the seconds of loading
     loaded = models.load(args.model, notify=lambda m: print(m, file=sys.stderr))

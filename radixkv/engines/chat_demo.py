@@ -63,12 +63,19 @@ def serve_flags() -> list[str]:
 
 def init_worker(socket_path: str, model: str) -> None:
     """ProcessPoolExecutor initializer: load the model and connect, once per process."""
+    import torch
+
     from radixkv.engines.hf import Engine
 
     global _worker
+    # One thread per engine: on 2 cores that other work also uses, a 2-thread forward waits
+    # at every kernel for the thread the scheduler left out (3-4x slower, TTFTs erratic).
+    torch.set_num_threads(1)
     loaded = models.load(model)
     engine = Engine(loaded.model, socket_path, loaded.namespace)
-    engine.prefill_no_cache(list(range(32)))  # warm-up: first-call costs out of the TTFTs
+    # warm-up, so that first-call costs stay out of the TTFTs: the first long forward of a
+    # process is ~30 % slower (its buffers are new), hence a prompt-sized one
+    engine.prefill_no_cache(list(range(1024)))
     engine.prefill(list(range(32)), store=False)
     _worker = (engine, loaded.tokenizer)
 
