@@ -256,12 +256,13 @@ class KVService:
         want = min(store_tokens, num_tokens(tokens)) // self.block_size - len(m.block_ids)
         if want <= 0:
             return m
+        sinks = 0 if m.block_ids else 1  # a sequence's first block comes from the sink region
         try:
-            num_evicted = self._make_room(want)
+            num_evicted = self._make_room(want, sinks=sinks)
         except OutOfBlocks as e:
             return dataclasses.replace(m, alloc_error=str(e))
         lease = self._leases[m.lease_id]
-        ids = tuple(self.pool.alloc(want))
+        ids = tuple(self.pool.alloc(want, sinks=sinks))
         for b in ids:
             lease.owned[b] = None
             self._lease_of_block[b] = lease.lease_id
@@ -269,11 +270,13 @@ class KVService:
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
-        ttl_s: float | None = None,
+        ttl_s: float | None = None, starts_sequence: bool = False,
     ) -> Allocation:
         """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None,
         with TTL `ttl_s`), evicting unpinned LRU leaves when the free list is short. When it
-        raises (OutOfBlocks, ...), no lease was opened and nothing was evicted."""
+        raises (OutOfBlocks, ...), no lease was opened and nothing was evicted (except while
+        looking for a free sink block). `starts_sequence`: the first block will hold position
+        0, so it comes from the sink region where the pool has one."""
         if not 0 < num_blocks <= self.pool.num_blocks:
             raise InvalidArgument(
                 f"num_blocks must be in 1..{self.pool.num_blocks}, got {num_blocks}")
@@ -284,19 +287,20 @@ class KVService:
                 if namespace and namespace != lease.namespace:
                     raise PermissionDenied(f"lease {lease_id} belongs to namespace "
                                            f"{lease.namespace!r}, not {namespace!r}")
-                num_evicted = self._make_room(num_blocks)
+                num_evicted = self._make_room(num_blocks, sinks=int(starts_sequence))
                 self._touch(lease)
             else:
                 self._check_namespace(namespace)
                 self._check_room_for(owner, 1, namespace not in self._namespaces)
                 ns = self._namespace(namespace)
                 try:
-                    num_evicted = self._make_room(num_blocks, keep=ns)
+                    num_evicted = self._make_room(num_blocks, keep=ns,
+                                                  sinks=int(starts_sequence))
                 except OutOfBlocks:
                     self._drop_if_empty(ns)
                     raise
                 lease = self._open_lease(owner, ns, ttl)
-            ids = self.pool.alloc(num_blocks)
+            ids = self.pool.alloc(num_blocks, sinks=int(starts_sequence))
             for b in ids:
                 lease.owned[b] = None
                 self._lease_of_block[b] = lease.lease_id
@@ -516,6 +520,11 @@ class KVService:
             if not 0 <= b < self.pool.num_blocks:
                 raise InvalidArgument(f"block id {b} is out of range (pool has "
                                       f"{self.pool.num_blocks} blocks)")
+        if self.pool.num_sink_blocks and block_ids and not self.pool.is_sink(block_ids[0]):
+            raise InvalidArgument(
+                f"block {block_ids[0]} holds position 0 but is not a sink block: this pool "
+                f"keeps the first {self.pool.layout.sink_tokens} tokens of every sequence in "
+                f"{self.pool.layout.model_dtype} (Allocate with starts_sequence)")
 
     def _check_claims(self, lease: _Lease, namespace: str, tokens: bytes,
                       block_ids: Sequence[int], claimed: set[int]) -> None:
@@ -650,11 +659,24 @@ class KVService:
                 self._expired.popitem(last=False)
         return len(freed)
 
-    def _make_room(self, num_blocks: int, keep: _Namespace | None = None) -> int:
-        """Evict until `num_blocks` are free, least recently used leaf first across all
-        namespaces (their trees share one clock, so their victims compare). Raises OutOfBlocks,
-        evicting nothing, when even that cannot make room. Namespaces left empty are dropped,
+    def _make_room(self, num_blocks: int, keep: _Namespace | None = None, sinks: int = 0) -> int:
+        """Evict until `num_blocks` are free, `sinks` of them sink blocks, least recently used
+        leaf first across all namespaces (their trees share one clock, so their victims
+        compare). Raises OutOfBlocks, evicting nothing, when even that cannot make room (a
+        search for a sink block keeps what it evicted). Namespaces left empty are dropped,
         except `keep` (about to get a lease)."""
+        evicted = 0
+        while self.pool.num_free_sink < min(sinks, self.pool.num_sink_blocks):
+            try:
+                evicted += self._evict_for(self.pool.num_free + 1, keep)  # one more block
+            except OutOfBlocks:
+                raise OutOfBlocks(
+                    f"no sink block for a sequence's first block: all "
+                    f"{self.pool.num_sink_blocks} are leased or pinned (serve with a larger "
+                    f"--kv-sink-fraction)") from None
+        return evicted + self._evict_for(num_blocks, keep)
+
+    def _evict_for(self, num_blocks: int, keep: _Namespace | None) -> int:
         need = num_blocks - self.pool.num_free
         if need <= 0:
             return 0

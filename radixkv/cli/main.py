@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from gpu_pool.layout import PRESETS, KVLayout, parse_bytes
+from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
 from radixkv.errors import RadixKVError
 from radixkv.index.eviction import POLICIES
 
@@ -36,17 +37,39 @@ def add_layout_flags(p: argparse.ArgumentParser, default_preset: str | None) -> 
     g.add_argument("--model-config", metavar="PATH",
                    help="a Hugging Face config.json (or its folder) instead of --preset")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "fp8", "int8", "int4"],
-                   help="KV element type (default: the model's, usually bf16)")
+                   help="the model's KV element type (default: the model's, usually bf16); "
+                        "int8/int4 here mean --kv-dtype with a bf16 model")
     g.add_argument("--block-size", type=positive_int, default=16,
                    help="tokens per block (default: 16)")
+    g.add_argument("--kv-dtype", choices=["int8", "int4"],
+                   help="store KV quantized: int8 (symmetric, a scale per token and head) or "
+                        "int4 (asymmetric, keys per channel, values per token group); engines "
+                        "read it back in --dtype")
+    g.add_argument("--kv-sink-tokens", type=int, default=SINK_TOKENS, metavar="N",
+                   help=f"with --kv-dtype: the first N tokens of every sequence stay in --dtype "
+                        f"(attention sinks; default {SINK_TOKENS}, 0 for none)")
+    g.add_argument("--kv-group-size", type=int, default=0, metavar="G",
+                   help="with --kv-dtype: elements per scale along head_dim (default 0: one "
+                        "scale per head)")
+    g.add_argument("--kv-key-scales", choices=["channel", "token"], default="channel",
+                   help="with --kv-dtype int4: keys scaled per channel over a block's tokens "
+                        "(default) or per token group like values")
 
 
 def layout_from_args(args: argparse.Namespace) -> KVLayout:
     if args.model_config:
-        return KVLayout.from_hf_config(args.model_config, args.dtype, args.block_size)
-    if not args.preset:
+        layout = KVLayout.from_hf_config(args.model_config, args.dtype, args.block_size)
+    elif not args.preset:
         raise SystemExit("give --preset NAME or --model-config PATH")
-    return KVLayout.from_preset(args.preset, args.dtype, args.block_size)
+    else:
+        layout = KVLayout.from_preset(args.preset, args.dtype, args.block_size)
+    if args.kv_dtype:
+        if layout.is_quantized:
+            raise SystemExit(f"--kv-dtype {args.kv_dtype} with --dtype {layout.dtype}: give the "
+                             "model's dtype as --dtype")
+        layout = replace(layout.with_dtype(args.kv_dtype, args.kv_sink_tokens),
+                         group_size=args.kv_group_size, key_scales=args.kv_key_scales)
+    return layout
 
 
 def cmd_calc(args: argparse.Namespace) -> int:
@@ -73,14 +96,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gpu_pool.base import fit_blocks
+
     layout = layout_from_args(args)
     num_blocks = args.num_blocks
     if args.memory:
-        num_blocks = layout.blocks_in(parse_bytes(args.memory))
-        if num_blocks < 1:
+        if layout.blocks_in(parse_bytes(args.memory)) < 1:
             raise SystemExit(f"--memory {args.memory} holds no {layout.bytes_per_block}-byte block")
+        num_blocks = fit_blocks(layout, parse_bytes(args.memory), args.kv_sink_fraction)
     config = ServerConfig.from_env(
         layout=layout, num_blocks=num_blocks, backend=args.backend, device=args.device,
+        sink_fraction=args.kv_sink_fraction,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
         workers=args.workers, stream_workers=args.stream_workers,
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -173,6 +199,9 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--backend", choices=["host", "cuda"], default=None,
                    help="host: POSIX shared memory (default); cuda: GPU memory via CuPy + IPC")
     g.add_argument("--device", type=int, default=None, help="CUDA device ordinal (cuda backend)")
+    g.add_argument("--kv-sink-fraction", type=float, default=0.125, metavar="F",
+                   help="with --kv-dtype and sink tokens: the share of blocks that can start a "
+                        "sequence (sink blocks, a little larger; default 0.125)")
     g = p.add_argument_group("service")
     g.add_argument("--lease-ttl", type=positive_float, default=None,
                    help="seconds a lease lives without use before its pins are dropped "

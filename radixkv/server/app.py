@@ -40,7 +40,8 @@ class RadixKVServer:
         self._lock_file: Any = None
         self._stopped = threading.Event()
         self.pool = create_pool(config.layout, num_blocks=config.num_blocks,
-                                backend=config.backend, device=config.device)
+                                backend=config.backend, device=config.device,
+                                sink_fraction=config.sink_fraction)
         try:
             self.service = KVService(self.pool, config.service)
             self._server = self._build()

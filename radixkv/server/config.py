@@ -68,6 +68,7 @@ def check_socket_dir(socket_path: str) -> None:
 class ServerConfig:
     layout: KVLayout = field(default_factory=lambda: KVLayout.from_preset("llama-3.2-1b"))
     num_blocks: int = 1024
+    sink_fraction: float = 0.125  # quantized layouts with sink tokens: share of sink blocks
     backend: str = "host"
     device: int = 0
     socket: str | None = None  # None: default_socket_path(); "" with tcp set: TCP only
