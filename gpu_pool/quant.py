@@ -43,170 +43,253 @@ def model_dtype(layout: KVLayout) -> torch.dtype:
     return getattr(torch, TORCH_MODEL_DTYPES[layout.model_dtype])  # type: ignore[no-any-return]
 
 
-# ---- the math on [n, layers, 2, block_size, kv_heads, head_dim] float tensors ---------------
+# ---- a block row's segments as views ---------------------------------------------------------
+
+def segment_views(layout: KVLayout, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Zero-copy views of uint8 rows [n, >= bytes_per_block] as the layout's segments, each
+    [n, *shape] (data as int8 for int8 layouts, uint8 packed nibbles for int4; scales fp16)."""
+    import torch
+
+    n = rows.shape[0]
+    out = {}
+    offset = 0
+    for name, shape, itemsize in layout.segments():
+        size = itemsize * _prod(shape)
+        part = rows[:, offset:offset + size]
+        if itemsize == 2:
+            part = part.view(torch.float16)
+        elif layout.dtype == "int8":
+            part = part.view(torch.int8)
+        out[name] = part.reshape(n, *shape) if part.is_contiguous() else part.view(n, *shape)
+        offset += size
+    return out
+
 
 def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
     """[..., head_dim] -> [..., head_dim / group, group] (a view)."""
-    return x.reshape(*x.shape[:-1], -1, group)
+    return x.view(*x.shape[:-1], -1, group)
 
 
-def _absmax_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (int8 codes [..., head_dim], fp16 scales [..., head_dim / group])."""
+def _prod(shape: tuple[int, ...]) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _per_block(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """[layers, n * block_size, heads, dim] -> [layers, n, block_size, heads, dim] (a view)."""
+    return t.view(t.shape[0], -1, layout.block_size, t.shape[2], t.shape[3])
+
+
+def _to_blocks(t: torch.Tensor) -> torch.Tensor:
+    """A [n, layers, ...] segment as [layers, n, ...] (a view), the engine's order."""
+    return t.transpose(0, 1)
+
+
+# ---- dequantize: segments -> engine-layout K, V (one fused op per part) -------------------
+
+CHUNK_ELEMENTS = 1 << 16  # per step: temporaries stay in cache (fresh large ones page-fault)
+
+
+def _chunks(layout: KVLayout, n: int) -> list[tuple[slice, slice]]:
+    """(layers, blocks) slices covering [layers, n] in steps of about CHUNK_ELEMENTS."""
+    per_block = layout.block_size * layout.num_kv_heads * layout.head_dim
+    step = max(1, CHUNK_ELEMENTS // per_block)
+    return [(slice(layer, layer + 1), slice(b, b + step))
+            for layer in range(layout.num_layers) for b in range(0, n, step)]
+
+
+def decode_into(layout: KVLayout, seg: dict[str, torch.Tensor], k_out: torch.Tensor,
+                v_out: torch.Tensor) -> None:
+    """Dequantize segments ([n, layers, ...] views) into k_out, v_out: [layers, n, block_size,
+    heads, head_dim] tensors of the output dtype (views of the engine's [layers, tokens, ...]),
+    a cache-sized chunk at a time."""
+    for layers, blocks in _chunks(layout, k_out.shape[1]):
+        _decode(layout, {name: t[blocks, layers] for name, t in seg.items()},
+                k_out[layers, blocks], v_out[layers, blocks])
+
+
+def _decode(layout: KVLayout, seg: dict[str, torch.Tensor], k_out: torch.Tensor,
+            v_out: torch.Tensor) -> None:
+    """One chunk. The arithmetic runs in fp32 on chunk-sized temporaries: mixed-dtype torch
+    ops (int8 x fp16) take a slow casting path on CPU, fp32 in-place ops do not."""
+    g = layout.group
+    data = _to_blocks(seg["data"])  # [L, n, 2, B, H, D or D/2]
+    for i, out in ((0, k_out), (1, v_out)):
+        part = "k" if i == 0 else "v"
+        scale = _to_blocks(seg[f"{part}_scale"]).float()
+        q = data[:, :, i]
+        if layout.dtype == "int8":  # q x scale, per (token, head, group)
+            x = q.float()
+            _groups(x, g).mul_(scale.unsqueeze(-1))
+            out.copy_(x)
+            continue
+        zero = _to_blocks(seg[f"{part}_zero"]).float()
+        channel = part == "k" and layout.key_scales == "channel"  # [L, n, H, D] over tokens
+        for first, nibble in enumerate((q & 15, q >> 4)):  # even (low), odd (high) channels
+            x = nibble.float()  # [L, n, B, H, D/2]
+            if channel:
+                x.mul_(scale[..., first::2].unsqueeze(2)).add_(zero[..., first::2].unsqueeze(2))
+            else:
+                xg = x.view(*x.shape[:-1], -1, g // 2)
+                xg.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
+            out[..., first::2].copy_(x)
+
+
+# ---- quantize: engine-layout K, V -> segments ---------------------------------------------
+
+def _refuse_non_finite(extreme: torch.Tensor) -> None:
+    """NaN and Inf reach a group's max or min (amax/amin propagate NaN): checking those small
+    tensors checks every element."""
     import torch
 
-    g = _groups(x, group)
-    scale = (g.abs().amax(-1) / 127).to(torch.float16)
-    s = scale.float()
-    q = torch.round(g / torch.where(s > 0, s, 1).unsqueeze(-1)).clamp_(-127, 127)
-    return q.to(torch.int8).flatten(-2), scale
+    if not bool(torch.isfinite(extreme).all()):
+        raise InvalidArgument("KV holds NaN or Inf: refusing to quantize it into the pool")
+
+
+def _absmax_int8(x: torch.Tensor, group: int, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
+    """x [..., D] -> int8 codes into q_out [..., D], fp16 scales into s_out [..., D / group]."""
+    import torch
+
+    xf = x.to(torch.float32, copy=True)  # one chunk-sized fp32 copy, then in place
+    xg = _groups(xf, group)
+    amax = torch.maximum(xg.amax(-1), xg.amin(-1).neg_())
+    _refuse_non_finite(amax)
+    scale = amax.div_(127).to(torch.float16)
+    s_out.copy_(scale)
+    inv = scale.float().clamp_min_(1e-30).reciprocal_()  # a zero row stays zero
+    xg.mul_(inv.unsqueeze(-1)).round_().clamp_(-127, 127)
+    q_out.copy_(xf)
 
 
 def _minmax_int4(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit codes of x over `dim` (the reduced axis): (codes 0..15 as uint8,
-    fp16 scale, fp16 zero), scale and zero with `dim` reduced."""
+    """Asymmetric 4-bit codes of x over `dim`: (codes 0..15 as uint8, fp16 scale, fp16 zero);
+    scale and zero keep `dim` with size 1."""
     import torch
 
-    lo = x.amin(dim, keepdim=True)
-    hi = x.amax(dim, keepdim=True)
-    zero = lo.to(torch.float16)
-    scale = ((hi - zero.float()) / 15).to(torch.float16)
-    s = scale.float()
-    q = torch.round((x - zero.float()) / torch.where(s > 0, s, 1)).clamp_(0, 15)
-    return q.to(torch.uint8), scale.squeeze(dim), zero.squeeze(dim)
+    xf = x.to(torch.float32, copy=True)
+    lo32, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
+    _refuse_non_finite(lo32)
+    _refuse_non_finite(hi)
+    lo = lo32.to(torch.float16)
+    scale = hi.sub_(lo.float()).div_(15).to(torch.float16)
+    inv = scale.float().clamp_min_(1e-30).reciprocal_()
+    xf.sub_(lo.float()).mul_(inv).round_().clamp_(0, 15)
+    return xf.to(torch.uint8), scale, lo
 
 
-def _pack4(q: torch.Tensor) -> torch.Tensor:
-    return q[..., 0::2] | (q[..., 1::2] << 4)
+def encode_from(layout: KVLayout, k: torch.Tensor, v: torch.Tensor,
+                seg: dict[str, torch.Tensor]) -> None:
+    """Quantize k, v ([layers, n, block_size, heads, head_dim], any float dtype) into the
+    segments' views ([n, layers, ...]), a cache-sized chunk at a time. InvalidArgument on NaN
+    or Inf (what was written so far stays in `seg`)."""
+    for layers, blocks in _chunks(layout, k.shape[1]):
+        _encode(layout, k[layers, blocks], v[layers, blocks],
+                {name: t[blocks, layers] for name, t in seg.items()})
 
 
-def _unpack4(p: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return torch.stack((p & 15, p >> 4), -1).flatten(-2)
-
-
-def encode(layout: KVLayout, kv: torch.Tensor) -> dict[str, torch.Tensor]:
-    """kv [n, layers, 2, block_size, kv_heads, head_dim] (float) -> segments, each with a
-    leading n dimension, shaped as `layout.segments()` says."""
-    import torch
-
-    x = kv.float()
-    group = layout.group
-    k, v = x[:, :, 0], x[:, :, 1]  # [n, L, B, H, D]
-    if layout.dtype == "int8":
-        qk, k_scale = _absmax_int8(k, group)
-        qv, v_scale = _absmax_int8(v, group)
-        data = torch.stack((qk, qv), 2).view(torch.uint8)
-        return {"data": data, "k_scale": k_scale, "v_scale": v_scale}
-    if layout.key_scales == "channel":  # over the block's tokens: [n, L, H, D]
-        qk, k_scale, k_zero = _minmax_int4(k, dim=2)
-    else:
-        qk, k_scale, k_zero = _minmax_int4(_groups(k, group), dim=-1)
-        qk = qk.flatten(-2)
-    qv, v_scale, v_zero = _minmax_int4(_groups(v, group), dim=-1)
-    data = _pack4(torch.stack((qk, qv.flatten(-2)), 2))
-    return {"data": data, "k_scale": k_scale, "k_zero": k_zero,
-            "v_scale": v_scale, "v_zero": v_zero}
+def _encode(layout: KVLayout, k: torch.Tensor, v: torch.Tensor,
+            seg: dict[str, torch.Tensor]) -> None:
+    g = layout.group
+    data = _to_blocks(seg["data"])
+    for i, x in ((0, k), (1, v)):
+        part = "k" if i == 0 else "v"
+        scale, q_out = _to_blocks(seg[f"{part}_scale"]), data[:, :, i]
+        if layout.dtype == "int8":
+            _absmax_int8(x, g, q_out, scale)
+            continue
+        zero = _to_blocks(seg[f"{part}_zero"])
+        if part == "k" and layout.key_scales == "channel":  # over the block's tokens
+            q, s, z = _minmax_int4(x, dim=2)
+            scale.copy_(s.squeeze(2))
+            zero.copy_(z.squeeze(2))
+        else:
+            q, s, z = _minmax_int4(x.unflatten(-1, (-1, g)), dim=-1)  # type: ignore
+            scale.copy_(s.squeeze(-1))
+            zero.copy_(z.squeeze(-1))
+            q = q.flatten(-2)
+        q_out.copy_(q[..., 0::2] | (q[..., 1::2] << 4))
 
 
-def decode(layout: KVLayout, seg: dict[str, torch.Tensor], out_dtype: torch.dtype
-           ) -> torch.Tensor:
-    """Segments (leading n) -> kv [n, layers, 2, block_size, kv_heads, head_dim] in out_dtype."""
-    import torch
-
-    group = layout.group
-    if layout.dtype == "int8":
-        q = _groups(seg["data"].view(torch.int8).float(), group)
-        scales = torch.stack((seg["k_scale"], seg["v_scale"]), 2).float().unsqueeze(-1)
-        out: torch.Tensor = (q * scales).flatten(-2).to(out_dtype)
-        return out
-    q = _unpack4(seg["data"]).float()  # [n, L, 2, B, H, D]
-    qk, qv = q[:, :, 0], q[:, :, 1]
-    if layout.key_scales == "channel":
-        k = qk * seg["k_scale"].float().unsqueeze(2) + seg["k_zero"].float().unsqueeze(2)
-    else:
-        k = (_groups(qk, group) * seg["k_scale"].float().unsqueeze(-1)
-             + seg["k_zero"].float().unsqueeze(-1)).flatten(-2)
-    v = (_groups(qv, group) * seg["v_scale"].float().unsqueeze(-1)
-         + seg["v_zero"].float().unsqueeze(-1)).flatten(-2)
-    return torch.stack((k, v), 2).to(out_dtype)
-
-
-def roundtrip(layout: KVLayout, kv: torch.Tensor, sinks: bool = True) -> torch.Tensor:
-    """What the pool gives back for kv [n, layers, 2, block_size, heads, dim] written as
-    blocks; with `sinks`, block 0 is a sink block (its first sink_tokens tokens exact)."""
-    rows = to_rows(layout, kv, num_sink=1 if sinks and layout.sink_tokens else 0)
-    return from_rows(layout, rows, num_sink=1 if sinks and layout.sink_tokens else 0,
-                     out_dtype=kv.dtype)
-
-
-# ---- rows of bytes <-> blocks ----------------------------------------------------------------
+# ---- rows of bytes <-> blocks (tests, tools) -----------------------------------------------
 
 def to_rows(layout: KVLayout, kv: torch.Tensor, num_sink: int = 0) -> torch.Tensor:
-    """kv [n, ...] -> uint8 rows [n, sink_bytes_per_block] (the first `num_sink` blocks carry
-    their sink tokens after the quantized part; other rows leave those bytes zero)."""
+    """kv [n, layers, 2, block_size, heads, dim] -> uint8 rows [n, bytes_per_block] (or
+    [n, sink_bytes_per_block] with the first `num_sink` blocks carrying their sink tokens)."""
     import torch
 
-    if not bool(torch.isfinite(kv).all()):
-        raise InvalidArgument("KV holds NaN or Inf: refusing to quantize it into the pool")
-    s = layout.sink_tokens if num_sink else 0
-    sink_part = kv[:num_sink, :, :, :s].contiguous() if s else None
-    if s:
-        kv = kv.clone()
-        kv[:num_sink, :, :, :s] = 0
-    seg = encode(layout, kv)
     n = kv.shape[0]
-    parts = [seg[name].contiguous().view(torch.uint8).reshape(n, -1)
-             for name, _, _ in layout.segments()]
     width = layout.sink_bytes_per_block if num_sink else layout.bytes_per_block
     rows = torch.zeros((n, width), dtype=torch.uint8, device=kv.device)
-    rows[:, :layout.bytes_per_block] = torch.cat(parts, 1)
-    if sink_part is not None:
-        rows[:num_sink, layout.bytes_per_block:] = (
-            sink_part.to(model_dtype(layout)).view(torch.uint8).reshape(num_sink, -1))
+    _encode_rows(layout, kv[:, :, 0].transpose(0, 1), kv[:, :, 1].transpose(0, 1), rows,
+                 num_sink)
     return rows
 
 
 def from_rows(layout: KVLayout, rows: torch.Tensor, num_sink: int = 0,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """uint8 rows [n, >= bytes_per_block] -> kv [n, layers, 2, block_size, heads, dim]; the
-    first `num_sink` rows are sink blocks."""
+    """uint8 rows -> kv [n, layers, 2, block_size, heads, dim]; the first `num_sink` rows are
+    sink blocks."""
     import torch
 
+    L, B, H, D = layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim
     n = rows.shape[0]
-    seg = {}
-    offset = 0
-    for name, shape, itemsize in layout.segments():
-        size = itemsize
-        for d in shape:
-            size *= d
-        part = rows[:, offset:offset + size].contiguous()
-        dtype = torch.float16 if itemsize == 2 else torch.uint8
-        seg[name] = part.view(dtype).reshape(n, *shape)
-        offset += size
-    out_dtype = out_dtype or model_dtype(layout)
-    kv = decode(layout, seg, out_dtype)
-    s = layout.sink_tokens
-    if num_sink and s:
-        exact = rows[:num_sink, layout.bytes_per_block:].contiguous().view(model_dtype(layout))
-        kv[:num_sink, :, :, :s] = exact.reshape(
-            num_sink, layout.num_layers, 2, s, layout.num_kv_heads, layout.head_dim
-        ).to(out_dtype)
-    return kv
+    k = torch.empty((L, n, B, H, D), dtype=out_dtype or model_dtype(layout), device=rows.device)
+    v = torch.empty_like(k)
+    _decode_rows(layout, rows, num_sink, k, v)
+    return torch.stack((k, v), 2).transpose(0, 1)
+
+
+def roundtrip(layout: KVLayout, kv: torch.Tensor, sinks: bool = True) -> torch.Tensor:
+    """What the pool gives back for kv [n, layers, 2, block_size, heads, dim] written as
+    blocks; with `sinks`, block 0 is a sink block (its first sink_tokens tokens exact)."""
+    num_sink = 1 if sinks and layout.sink_tokens else 0
+    return from_rows(layout, to_rows(layout, kv, num_sink), num_sink, out_dtype=kv.dtype)
+
+
+def _encode_rows(layout: KVLayout, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                 num_sink: int) -> None:
+    """k, v [layers, n, B, H, D] into rows [n, width]; rows[:num_sink] are sink blocks: their
+    first sink_tokens tokens go to the sink segment exactly and enter the scales as zeros."""
+    s = layout.sink_tokens if num_sink else 0
+    if s:
+        _refuse_non_finite(k[:, :num_sink, :s])
+        _refuse_non_finite(v[:, :num_sink, :s])
+        sink_seg = rows[:num_sink, layout.bytes_per_block:].view(model_dtype(layout)).view(
+            num_sink, layout.num_layers, 2, s, layout.num_kv_heads, layout.head_dim)
+        sink_seg[:, :, 0].copy_(k[:, :num_sink, :s].transpose(0, 1))
+        sink_seg[:, :, 1].copy_(v[:, :num_sink, :s].transpose(0, 1))
+        k, v = k.clone(), v.clone()
+        k[:, :num_sink, :s] = 0
+        v[:, :num_sink, :s] = 0
+    encode_from(layout, k, v, segment_views(layout, rows))
+
+
+def _decode_rows(layout: KVLayout, rows: torch.Tensor, num_sink: int, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """rows [n, width] into k, v [layers, n, B, H, D]; rows[:num_sink] are sink blocks."""
+    decode_into(layout, segment_views(layout, rows), k, v)
+    s = layout.sink_tokens if num_sink else 0
+    if s:
+        exact = rows[:num_sink, layout.bytes_per_block:].view(model_dtype(layout)).view(
+            num_sink, layout.num_layers, 2, s, layout.num_kv_heads, layout.head_dim)
+        k[:, :num_sink, :s] = exact[:, :, 0].transpose(0, 1)
+        v[:, :num_sink, :s] = exact[:, :, 1].transpose(0, 1)
 
 
 # ---- gather / scatter against a pool ------------------------------------------------------
 
-def _split_ids(ids: Sequence[int], num_blocks: int, num_sink: int) -> tuple[list[int], list[int]]:
-    """Positions of sink ids and of regular ids in `ids` (validated)."""
-    sink_pos: list[int] = []
-    plain_pos: list[int] = []
-    total = num_blocks
+def _order(ids: Sequence[int], num_blocks: int, num_sink: int) -> tuple[list[int], list[int]]:
+    """Positions in `ids` of sink blocks, then of regular ones (ids validated)."""
+    first_sink = num_blocks - num_sink
+    sinks: list[int] = []
+    regular: list[int] = []
     for pos, i in enumerate(ids):
-        if not 0 <= i < total:
-            raise InvalidArgument(f"block id {i} out of range 0..{total - 1}")
-        (sink_pos if i >= num_blocks - num_sink else plain_pos).append(pos)
-    return sink_pos, plain_pos
+        if not 0 <= i < num_blocks:
+            raise InvalidArgument(f"block id {i} out of range 0..{num_blocks - 1}")
+        (sinks if i >= first_sink else regular).append(pos)
+    return sinks, regular
 
 
 def gather(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids: Sequence[int],
@@ -217,23 +300,28 @@ def gather(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids:
     import torch
 
     ids = [int(i) for i in block_ids]
-    n_plain, n_sink = plain.shape[0], sink.shape[0]
-    sink_pos, plain_pos = _split_ids(ids, n_plain + n_sink, n_sink)
-    out_dtype = out_dtype or model_dtype(layout)
+    n_plain = plain.shape[0]
+    sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])
     L, B, H, D = layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim
-    kv = torch.empty((len(ids), L, 2, B, H, D), dtype=out_dtype, device=plain.device)
     dev = plain.device
+    k = torch.empty((L, len(ids) * B, H, D), dtype=out_dtype or model_dtype(layout), device=dev)
+    v = torch.empty_like(k)
+    if not sink_pos:  # the common case: one index_select, one fused op per part
+        rows = plain.index_select(0, torch.tensor(ids, device=dev))
+        _decode_rows(layout, rows, 0, _per_block(k, layout), _per_block(v, layout))
+        return k, v
+    order = sink_pos + plain_pos  # decode sink rows first, then put blocks in place
+    rows = torch.empty((len(ids), sink.shape[1]), dtype=torch.uint8, device=dev)
+    rows[:len(sink_pos)] = sink.index_select(
+        0, torch.tensor([ids[p] - n_plain for p in sink_pos], device=dev))
     if plain_pos:
-        rows = plain.index_select(0, torch.tensor([ids[p] for p in plain_pos], device=dev))
-        kv[torch.tensor(plain_pos, device=dev)] = from_rows(layout, rows, 0, out_dtype)
-    if sink_pos:
-        rows = sink.index_select(
-            0, torch.tensor([ids[p] - n_plain for p in sink_pos], device=dev))
-        kv[torch.tensor(sink_pos, device=dev)] = from_rows(layout, rows, len(sink_pos),
-                                                           out_dtype)
-    # [n, L, 2, B, H, D] -> K, V as [L, n * B, H, D]
-    k = kv[:, :, 0].transpose(0, 1).reshape(L, -1, H, D)
-    v = kv[:, :, 1].transpose(0, 1).reshape(L, -1, H, D)
+        rows[len(sink_pos):, :plain.shape[1]] = plain.index_select(
+            0, torch.tensor([ids[p] for p in plain_pos], device=dev))
+    kb, vb = torch.empty_like(k), torch.empty_like(v)
+    _decode_rows(layout, rows, len(sink_pos), _per_block(kb, layout), _per_block(vb, layout))
+    where = torch.tensor(order, device=dev)
+    _per_block(k, layout).index_copy_(1, where, _per_block(kb, layout))
+    _per_block(v, layout).index_copy_(1, where, _per_block(vb, layout))
     return k, v
 
 
@@ -251,17 +339,22 @@ def scatter(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape) != shape:
             raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected {shape}")
-    n_plain, n_sink = plain.shape[0], sink.shape[0]
-    sink_pos, plain_pos = _split_ids(ids, n_plain + n_sink, n_sink)
+    n_plain = plain.shape[0]
+    sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])
     dev = plain.device
-    kv = torch.stack((k.to(dev), v.to(dev)), 1)  # [L, 2, n * B, H, D]
-    kv = kv.reshape(L, 2, len(ids), B, H, D).permute(2, 0, 1, 3, 4, 5)  # [n, L, 2, B, H, D]
-    if not bool(torch.isfinite(kv).all()):
-        raise InvalidArgument("KV holds NaN or Inf: refusing to quantize it into the pool")
+    k, v = k.to(dev).contiguous(), v.to(dev).contiguous()
+    kb, vb = _per_block(k, layout), _per_block(v, layout)
+    if not sink_pos:
+        rows = torch.empty((len(ids), plain.shape[1]), dtype=torch.uint8, device=dev)
+        _encode_rows(layout, kb, vb, rows, 0)
+        plain.index_copy_(0, torch.tensor(ids, device=dev), rows)
+        return
+    order = torch.tensor(sink_pos + plain_pos, device=dev)
+    rows = torch.zeros((len(ids), sink.shape[1]), dtype=torch.uint8, device=dev)
+    _encode_rows(layout, kb.index_select(1, order), vb.index_select(1, order), rows,
+                 len(sink_pos))
+    sink.index_copy_(0, torch.tensor([ids[p] - n_plain for p in sink_pos], device=dev),
+                     rows[:len(sink_pos)])
     if plain_pos:
-        rows = to_rows(layout, kv[torch.tensor(plain_pos, device=dev)], 0)
-        plain.index_copy_(0, torch.tensor([ids[p] for p in plain_pos], device=dev), rows)
-    if sink_pos:
-        rows = to_rows(layout, kv[torch.tensor(sink_pos, device=dev)], len(sink_pos))
-        sink.index_copy_(0, torch.tensor([ids[p] - n_plain for p in sink_pos], device=dev),
-                         rows)
+        plain.index_copy_(0, torch.tensor([ids[p] for p in plain_pos], device=dev),
+                          rows[len(sink_pos):, :plain.shape[1]])

@@ -59,15 +59,18 @@ class BlockBytes:
     torch on cuda): first 8 bytes of each block read and written as uint64."""
 
     def __init__(self, mapping: Any) -> None:
-        n, bpb = mapping.num_blocks, mapping.layout.bytes_per_block
+        n, bpb = mapping.num_regular_blocks, mapping.layout.bytes_per_block
         if bpb < 8:
             raise InvalidArgument(f"verification needs >= 8 bytes per block, the pool has {bpb}")
-        self.torch = mapping.backend != "host"
-        if self.torch:
+        self.torch = mapping.backend != "host" or mapping.num_sink_blocks > 0
+        self.bytes: Any
+        if mapping.num_sink_blocks:  # the sink region's rows after the regular ones
+            self.bytes = _Rows(mapping.view(), mapping.sink_view())
+        elif self.torch:
             import torch
 
             t = mapping.view()
-            self.bytes: Any = t.reshape(n, -1).view(torch.uint8) if t.dim() > 2 else t
+            self.bytes = t.reshape(n, -1).view(torch.uint8) if t.dim() > 2 else t
         else:
             self.bytes = mapping.numpy_view().reshape(n, -1).view(np.uint8)
 
@@ -78,7 +81,8 @@ class BlockBytes:
 
             idx = torch.tensor(ids, device=self.bytes.device)
             self.bytes[idx, :8] = torch.from_numpy(rows.copy()).to(self.bytes.device)
-            torch.cuda.synchronize(self.bytes.device)  # written before Insert says so
+            if self.bytes.device.type == "cuda":
+                torch.cuda.synchronize(self.bytes.device)  # written before Insert says so
         else:
             self.bytes[list(ids), :8] = rows
 
@@ -90,6 +94,28 @@ class BlockBytes:
         else:
             rows = self.bytes[list(ids), :8]
         return np.ascontiguousarray(rows).view("<u8").ravel()
+
+
+class _Rows:
+    """Two uint8 row tensors (a pool's regular and sink regions) indexed as one, first 8
+    bytes only: enough for BlockBytes."""
+
+    def __init__(self, regular: Any, sink: Any) -> None:
+        self.regular, self.sink, self.split = regular, sink, regular.shape[0]
+        self.device = regular.device
+
+    def __setitem__(self, key: Any, rows: Any) -> None:
+        idx, _ = key
+        for pos, i in enumerate(idx.tolist()):
+            target = self.regular[i] if i < self.split else self.sink[i - self.split]
+            target[:8] = rows[pos]
+
+    def __getitem__(self, key: Any) -> Any:
+        import torch
+
+        idx, _ = key
+        return torch.stack([(self.regular[i] if i < self.split else self.sink[i - self.split])[:8]
+                            for i in idx.tolist()])
 
 
 def _allocate(kv: Any, lease_id: int, want: int) -> tuple[int, ...]:

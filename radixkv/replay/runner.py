@@ -72,18 +72,22 @@ MOONCAKE_BLOCK_SIZE = 512
 
 @contextlib.contextmanager
 def start_service(
-    block_size: int, capacity_blocks: int, policy: str = "lru"
+    block_size: int, capacity_blocks: int, policy: str = "lru", sink_fraction: float = 0.0,
 ) -> Iterator[str]:
     """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
-    SIGTERM at exit."""
+    `sink_fraction` > 0 gives the pool a sink region of that share, as a quantized pool with
+    sink tokens has (the tiny layout then stores int8). SIGTERM at exit."""
     with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
         config = os.path.join(directory, "config.json")
         with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
             json.dump({"num_hidden_layers": 1, "num_attention_heads": 1,
                        "num_key_value_heads": 1, "head_dim": 2 if block_size == 1 else 1,
                        "torch_dtype": "float16"}, f)
+        sinks = ("--kv-dtype", "int8", "--kv-sink-fraction", str(sink_fraction),
+                 "--kv-sink-tokens", str(min(4, block_size - 1))) if sink_fraction else ()
         with server_process("--model-config", config, "--block-size", str(block_size),
-                            "--num-blocks", str(capacity_blocks), "--policy", policy) as server:
+                            "--num-blocks", str(capacity_blocks), "--policy", policy,
+                            *sinks) as server:
             yield server.socket
 
 
@@ -164,6 +168,7 @@ def run_replay(
     num_windows: int = 40,
     progress: bool = False,
     trace_name: str = "",
+    sink_fraction: float = 0.0,
 ) -> ReplayReport:
     """Replay `requests` (Requests, or a Mooncake / token JSONL path, streamed) against the
     service at `target`, or against one started for the run with `block_size`,
@@ -187,7 +192,7 @@ def run_replay(
         return _run(source, target, None, opts)
     if block_size < 1 or capacity_blocks < 1:
         raise InvalidArgument("block_size and capacity_blocks must be >= 1")
-    with start_service(block_size, capacity_blocks, policy) as sock:
+    with start_service(block_size, capacity_blocks, policy, sink_fraction) as sock:
         return _run(source, sock, (block_size, capacity_blocks), opts)
 
 
@@ -319,6 +324,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "whose hash ids are 512-token blocks; 16 otherwise)")
     p.add_argument("--capacity-blocks", type=int, default=16384,
                    help="cache capacity in blocks: the started service's --num-blocks (16384)")
+    p.add_argument("--memory", metavar="BYTES",
+                   help="instead of --capacity-blocks: the blocks of --preset's layout stored as "
+                   "--kv-dtype that fit in this much memory, e.g. 40GiB (sink region included)")
+    p.add_argument("--preset", default="llama-3-8b",
+                   help="the model layout --memory is counted in (default llama-3-8b)")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8", "int4"),
+                   help="the KV format --memory is counted in (default bf16)")
+    p.add_argument("--kv-sink-fraction", type=float, default=0.125,
+                   help="int8/int4: the share of sink blocks (a sequence's first block), as "
+                   "`radixkv serve` (0.125)")
     p.add_argument("--policy", default="lru", help="eviction policy: lru (default) or lfu")
     p.add_argument("--clients", type=int, default=4, help="client processes (4)")
     p.add_argument("--target", default=None, metavar="SOCKET|TARGET",
@@ -338,6 +353,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=40, help="hit-rate-over-time windows (40)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
+                    sink_fraction: float) -> tuple[int, float]:
+    """(blocks, sink fraction) of `preset`'s layout stored as `kv_dtype` in `memory` bytes:
+    what a `radixkv serve --memory` pool of that format holds."""
+    from gpu_pool.base import fit_blocks
+    from gpu_pool.layout import KVLayout, parse_bytes
+
+    layout = KVLayout.from_preset(preset, None, block_size)
+    layout = layout.with_dtype(kv_dtype) if kv_dtype != layout.dtype else layout
+    blocks = fit_blocks(layout, parse_bytes(memory), sink_fraction)
+    if blocks < 1:
+        raise InvalidArgument(f"--memory {memory} holds no {kv_dtype} block of {preset}")
+    return blocks, sink_fraction if layout.sink_tokens else 0.0
 
 
 def _is_mooncake(path: str) -> bool:
@@ -362,8 +392,13 @@ def main(args: argparse.Namespace) -> int:
     target = args.target
     if target is not None and target.startswith("/"):
         target = f"unix://{target}"
+    capacity, sink_fraction = args.capacity_blocks, 0.0
+    if args.memory:
+        capacity, sink_fraction = memory_capacity(args.preset, args.kv_dtype, block_size,
+                                                  args.memory, args.kv_sink_fraction)
     report = run_replay(
-        requests, target=target, block_size=block_size, capacity_blocks=args.capacity_blocks,
+        requests, target=target, block_size=block_size, capacity_blocks=capacity,
+        sink_fraction=sink_fraction,
         clients=args.clients, policy=args.policy, limit=args.limit, speed=args.speed,
         verify=not args.no_verify, round_trips=args.round_trips,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
