@@ -98,8 +98,8 @@ class Engine:
         have = self.kv.pool_info().layout
         want = pool_layout_for(self.model.config, have.block_size, _DTYPES.get(self.model.dtype))
         if have.is_quantized and have.model_dtype == want.dtype:  # stored quantized: its
-            want = replace(want.with_dtype(have.dtype), group_size=have.group_size,  # own
-                           key_scales=have.key_scales, sink_tokens=have.sink_tokens)  # knobs
+            want = replace(want.with_dtype(have.dtype, have.sink_tokens),  # own knobs
+                           group_size=have.group_size, key_scales=have.key_scales)
         if have != want:
             raise InvalidArgument(
                 f"radixkv service at {self.kv.target} holds KV layout {have} but this model "
