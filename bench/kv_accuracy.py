@@ -104,9 +104,9 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kv-dtypes", default="fp32,int8,int4-naive,int4",
+    p.add_argument("--kv-dtypes", default="fp32",
                    help="comma-separated KV formats: fp32, int8, int4-naive, int4-group32, "
-                        "int4-kchannel, int4-sinks, int4 (default fp32,int8,int4-naive,int4)")
+                        "int4-kchannel, int4-sinks, int4 (default fp32)")
     p.add_argument("--plot", metavar="PNG", help="write dPPL against context per format here")
     p.add_argument("--contexts", default="512,2048,8192", help="window lengths in tokens")
     p.add_argument("--windows", type=int, default=None,
