@@ -108,45 +108,33 @@ def decode_into(layout: KVLayout, seg: dict[str, torch.Tensor], k_out: torch.Ten
     heads, head_dim] tensors of the output dtype (views of the engine's [layers, tokens, ...]),
     a cache-sized chunk at a time."""
     for layers, blocks in _chunks(layout, k_out.shape[1]):
-        _decode(layout, {name: t[blocks, layers] for name, t in seg.items()},
-                k_out[layers, blocks], v_out[layers, blocks])
+        part = {name: _to_blocks(t[blocks, layers]) for name, t in seg.items()}
+        data = part["data"]  # [L, n, 2, B, H, D or D/2]
+        for i, out in ((0, k_out[layers, blocks]), (1, v_out[layers, blocks])):
+            name = "k" if i == 0 else "v"
+            q = data[:, :, i]
+            out.copy_(_dequantize(
+                q if layout.dtype == "int4" else q.contiguous(), part[f"{name}_scale"],
+                part.get(f"{name}_zero"), layout.dtype == "int8", layout.group,
+                name == "k" and layout.key_scales == "channel", out.dtype))
 
 
-def _decode(layout: KVLayout, seg: dict[str, torch.Tensor], k_out: torch.Tensor,
-            v_out: torch.Tensor) -> None:
-    """One chunk. The arithmetic runs in fp32 on a chunk-sized buffer: mixed-dtype torch ops
-    (int8 x fp16) take a slow casting path on CPU, fp32 in-place ops do not."""
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, int8: bool,
+                group: int, channel: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Codes [..., B, H, D (int8) or D/2 (int4)] and their scales -> values [..., B, H, D].
+    Arithmetic in fp32: mixed-dtype torch ops (int8 x fp16) take a slow casting path on CPU."""
     import torch
 
-    g = layout.group
-    half = layout.head_dim // 2
-    data = _to_blocks(seg["data"])  # [L, n, 2, B, H, D or D/2]
-    scratch = None
-    for i, out in ((0, k_out), (1, v_out)):
-        if out.dtype == torch.float32 and out.is_contiguous():
-            buf = out  # an fp32 model: compute in the output itself
-        else:
-            if scratch is None:
-                scratch = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-            buf = scratch
-        part = "k" if i == 0 else "v"
-        scale = _to_blocks(seg[f"{part}_scale"]).float()
-        q = data[:, :, i]
-        if layout.dtype == "int8":  # q x scale, per (token, head, group)
-            buf.copy_(q.contiguous())  # a strided int8 source takes torch's slow copy path
-            _groups(buf, g).mul_(scale.unsqueeze(-1))
-            if buf is not out:
-                out.copy_(buf)
-            continue
-        zero = _to_blocks(seg[f"{part}_zero"]).float()
-        buf[..., :half].copy_(q & 15)
-        buf[..., half:].copy_(q >> 4)
-        if part == "k" and layout.key_scales == "channel":  # [L, n, H, D] over the tokens
-            buf.mul_(scale.unsqueeze(2)).add_(zero.unsqueeze(2))
-        else:
-            _groups(buf, g).mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
-        if buf is not out:
-            out.copy_(buf)
+    if int8:  # q x scale, per (token, head, group)
+        x = q.float()
+        return _groups(x, group).mul_(scale.float().unsqueeze(-1)).flatten(-2).to(dtype)
+    assert zero is not None
+    x = torch.cat((q & 15, q >> 4), -1).float()  # halves: contiguous runs
+    if channel:  # scales [..., H, D] over the block's tokens
+        x.mul_(scale.float().unsqueeze(-3)).add_(zero.float().unsqueeze(-3))
+    else:
+        _groups(x, group).mul_(scale.float().unsqueeze(-1)).add_(zero.float().unsqueeze(-1))
+    return x.to(dtype)
 
 
 # ---- quantize: engine-layout K, V -> segments ---------------------------------------------
@@ -160,35 +148,36 @@ def _refuse_non_finite(extreme: torch.Tensor) -> None:
         raise InvalidArgument("KV holds NaN or Inf: refusing to quantize it into the pool")
 
 
-def _absmax_int8(x: torch.Tensor, group: int, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
-    """x [..., D] -> int8 codes into q_out [..., D], fp16 scales into s_out [..., D / group]."""
+def _quantize(x: torch.Tensor, int8: bool, group: int, channel: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values [..., B, H, D] -> (codes: int8 [..., D] or packed uint8 [..., D/2], fp16 scale,
+    fp16 zero (int4; int8 returns its scale again), the fp32 extremes to check for NaN/Inf)."""
     import torch
 
-    xf = x.to(torch.float32, copy=True)  # one chunk-sized fp32 copy, then in place
-    xg = _groups(xf, group)
-    amax = torch.maximum(xg.amax(-1), xg.amin(-1).neg_())
-    _refuse_non_finite(amax)
-    scale = amax.div_(127).to(torch.float16)
-    s_out.copy_(scale)
-    inv = scale.float().clamp_min_(1e-30).reciprocal_()  # a zero row stays zero
-    xg.mul_(inv.unsqueeze(-1)).round_().clamp_(-127, 127)
-    q_out.copy_(xf.to(torch.int8))
-
-
-def _minmax_int4(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit codes of x over `dim`: (codes 0..15 as uint8, fp16 scale, fp16 zero);
-    scale and zero keep `dim` with size 1."""
-    import torch
-
-    xf = x.to(torch.float32, copy=True)
-    lo32, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
-    _refuse_non_finite(lo32)
-    _refuse_non_finite(hi)
+    xf = x.to(torch.float32, copy=True)  # one fp32 copy, then in place
+    if int8:  # symmetric absmax per (token, head, group)
+        xg = _groups(xf, group)
+        amax = torch.maximum(xg.amax(-1), xg.amin(-1).neg())
+        scale = (amax / 127).to(torch.float16)
+        inv = scale.float().clamp_min(1e-30).reciprocal()  # a zero row stays zero
+        xg.mul_(inv.unsqueeze(-1)).round_().clamp_(-127, 127)
+        return xf.to(torch.int8), scale, scale, amax
+    if channel:  # keys: per channel over the block's tokens
+        lo32, hi = xf.amin(-3, keepdim=True), xf.amax(-3, keepdim=True)
+        view = xf
+    else:
+        view = _groups(xf, group)
+        lo32, hi = view.amin(-1, keepdim=True), view.amax(-1, keepdim=True)
     lo = lo32.to(torch.float16)
-    scale = hi.sub_(lo.float()).div_(15).to(torch.float16)
-    inv = scale.float().clamp_min_(1e-30).reciprocal_()
-    xf.sub_(lo.float()).mul_(inv).round_().clamp_(0, 15)
-    return xf.to(torch.int8).view(torch.uint8), scale, lo  # (float -> int8 is the fast cast)
+    scale = ((hi - lo.float()) / 15).to(torch.float16)
+    inv = scale.float().clamp_min(1e-30).reciprocal()
+    view.sub_(lo.float()).mul_(inv).round_().clamp_(0, 15)
+    codes = xf.to(torch.int8)  # (float -> int8 is the fast cast)
+    half = codes.shape[-1] // 2
+    packed = (codes[..., :half] | (codes[..., half:] << 4)).view(torch.uint8)
+    squeeze = -3 if channel else -1
+    return (packed, scale.squeeze(squeeze), lo.squeeze(squeeze),
+            torch.cat((lo32.flatten(), hi.flatten())))
 
 
 def encode_from(layout: KVLayout, k: torch.Tensor, v: torch.Tensor,
@@ -197,32 +186,17 @@ def encode_from(layout: KVLayout, k: torch.Tensor, v: torch.Tensor,
     segments' views ([n, layers, ...]), a cache-sized chunk at a time. InvalidArgument on NaN
     or Inf (what was written so far stays in `seg`)."""
     for layers, blocks in _chunks(layout, k.shape[1]):
-        _encode(layout, k[layers, blocks], v[layers, blocks],
-                {name: t[blocks, layers] for name, t in seg.items()})
-
-
-def _encode(layout: KVLayout, k: torch.Tensor, v: torch.Tensor,
-            seg: dict[str, torch.Tensor]) -> None:
-    g = layout.group
-    data = _to_blocks(seg["data"])
-    for i, x in ((0, k), (1, v)):
-        part = "k" if i == 0 else "v"
-        scale, q_out = _to_blocks(seg[f"{part}_scale"]), data[:, :, i]
-        if layout.dtype == "int8":
-            _absmax_int8(x, g, q_out, scale)
-            continue
-        zero = _to_blocks(seg[f"{part}_zero"])
-        if part == "k" and layout.key_scales == "channel":  # over the block's tokens
-            q, s, z = _minmax_int4(x, dim=2)
-            scale.copy_(s.squeeze(2))
-            zero.copy_(z.squeeze(2))
-        else:
-            q, s, z = _minmax_int4(x.unflatten(-1, (-1, g)), dim=-1)  # type: ignore
-            scale.copy_(s.squeeze(-1))
-            zero.copy_(z.squeeze(-1))
-            q = q.flatten(-2)
-        half = layout.head_dim // 2
-        q_out.copy_(q[..., :half] | (q[..., half:] << 4))
+        part = {name: _to_blocks(t[blocks, layers]) for name, t in seg.items()}
+        for i, x in ((0, k[layers, blocks]), (1, v[layers, blocks])):
+            name = "k" if i == 0 else "v"
+            codes, scale, zero, extremes = _quantize(
+                x, layout.dtype == "int8", layout.group,
+                name == "k" and layout.key_scales == "channel")
+            _refuse_non_finite(extremes)
+            part["data"][:, :, i].copy_(codes)
+            part[f"{name}_scale"].copy_(scale)
+            if layout.dtype == "int4":
+                part[f"{name}_zero"].copy_(zero)
 
 
 # ---- rows of bytes <-> blocks (tests, tools) -----------------------------------------------
