@@ -9,7 +9,9 @@
     lagged      (the member's replay buffer dropped events we had not read): rebuild
     new epoch   (the member restarted): the resume is refused; rebuild
     unreachable (connect or stream error): state "unreachable", retry every second; the
-                index keeps what it had (Route skips the member until it is indexed again)
+                index keeps what it had (Route skips the member until it is indexed again);
+                back: resume Events after the last sequence read (same epoch), and rebuild
+                only if that is refused (lagged, or a new epoch)
 
 The loop runs in its own thread until stop(); stop() closes the channel, which cancels the
 blocked stream.
@@ -25,7 +27,7 @@ from typing import Any
 from radixkv.client import Client
 from radixkv.cluster.index import ClusterIndex
 from radixkv.cluster.membership import MemberInfo
-from radixkv.errors import NotFound, RadixKVError, StalePool, Unavailable
+from radixkv.errors import InvalidArgument, NotFound, RadixKVError, StalePool, Unavailable
 from radixkv.events import chain_hashes
 from radixkv.index.tree import NodeView
 
@@ -68,6 +70,7 @@ class Follower:
         self.live_leases = 0
         self.counters: dict[str, int] = {"requests": 0, "query_tokens": 0, "hit_tokens": 0}
         self.joined = time.monotonic()
+        self._resume: tuple[str, int, dict[str, int]] | None = None  # epoch, last read, marks
         self._stop = threading.Event()
         self._kv: Client | None = None
         self._thread = threading.Thread(target=self._run, name=f"follow-{info.node_id}",
@@ -110,13 +113,14 @@ class Follower:
             try:
                 kv = self._kv = Client(self.info.address, client_id=f"router-{id(self):x}",
                                        timeout=5.0)
-                self._follow(kv)
-            except _Resync as e:
+                if self._resume is not None:
+                    self._continue(kv, *self._resume)
+                else:
+                    self._follow(kv)
+            except (_Resync, StalePool, InvalidArgument) as e:  # resume refused: rebuild
+                self._resume = None
                 self.state, self.error = "syncing", str(e)
                 log.info("member %s: %s; rebuilding from DumpTree", self.node_id, e)
-                continue
-            except StalePool as e:
-                self.state, self.error = "syncing", str(e)
                 continue
             except (RadixKVError, ValueError) as e:
                 if self._stop.is_set():
@@ -147,12 +151,22 @@ class Follower:
         self.index.replace(self.node_id, blocks)
         self.epoch = epoch
         self.resyncs += 1
+        self._continue(kv, epoch, after, marks)
+
+    def _continue(self, kv: Client, epoch: str, after: int, marks: dict[str, int]) -> None:
+        """Follow Events after sequence `after` of `epoch` (StalePool if the member has
+        restarted since, a lagged event if its buffer no longer reaches back)."""
+        self._resume = (epoch, after, marks)
+        now = kv.pool_info().epoch  # reachable, and still the same service start?
+        if now != epoch:
+            raise StalePool(f"the member restarted (epoch {epoch} -> {now})")
+        events = kv.events(from_sequence=after + 1, epoch=epoch)
         self.state, self.error = "indexed", ""
-        self._apply(kv.events(from_sequence=after + 1, epoch=epoch), marks, after)
+        self._apply(events, marks, after, epoch)
         if not self._stop.is_set():
             raise Unavailable("the member ended its event stream (stopping?)")
 
-    def _apply(self, events: Any, marks: dict[str, int], after: int) -> None:
+    def _apply(self, events: Any, marks: dict[str, int], after: int, epoch: str) -> None:
         index, me = self.index, self.node_id
         for ev in events:
             if self._stop.is_set():
@@ -161,6 +175,7 @@ class Follower:
             if kind == "lagged":
                 raise _Resync(f"missed events from {ev.sequence} (the member's event buffer "
                               "moved past them)")
+            self._resume = (epoch, ev.sequence, marks)
             if ev.sequence <= marks.get(ev.namespace, after):
                 continue
             if kind == "stored":

@@ -96,8 +96,12 @@ class EtcdProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def restart(self) -> None:
+    def restart(self, wipe: bool = False) -> None:
+        """Stop and start again on the same ports; `wipe`: with an empty data directory (etcd
+        forgets every key and lease, as a rebuilt etcd would)."""
         self.stop()
+        if wipe:
+            shutil.rmtree(os.path.join(self.data_dir, "data"), ignore_errors=True)
         self.start()
 
     def log(self) -> str:
