@@ -137,7 +137,9 @@ class ReplayReport:
             out.update(nodes=c.nodes, routing=c.routing, load_imbalance=c.load_imbalance,
                        route_p50_us=c.route_us.p50, route_p99_us=c.route_us.p99,
                        requests_per_node=dict(c.requests_per_node),
-                       reference_token_hit_rate=c.reference_token_hit_rate)
+                       reference_token_hit_rate=c.reference_token_hit_rate,
+                       hit_rate_vs_reference=(self.token_hit_rate / c.reference_token_hit_rate
+                                              if c.reference_token_hit_rate else None))
         out["windows"] = [asdict(w) for w in self.windows]
         out["mismatch_examples"] = list(self.mismatch_examples)
         out["notes"] = list(self.notes)
@@ -272,7 +274,8 @@ def render_report(report: ReplayReport) -> Any:
     head = Table(title=f"radixkv replay: {r.trace}", show_header=False, title_justify="left")
     head.add_column(style="bold")
     head.add_column()
-    where = r.target or "own service (started for this run)"
+    where = r.target or ("own cluster (started for this run), capacity summed" if r.cluster
+                         else "own service (started for this run)")
     head.add_row("service", f"{where}; policy {r.policy}, {r.capacity_blocks:,} blocks x "
                  f"{r.block_size} tokens")
     speed = f"timestamps / {r.speed:g}" if r.speed else "as fast as possible"
