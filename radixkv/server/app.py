@@ -129,9 +129,9 @@ class RadixKVServer:
                          self.pool.num_blocks, layout.bytes_per_block,
                          f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
                          f"{layout.head_dim}, {layout.dtype}")
-        self.registration = Registration(EtcdTarget.parse(cfg.cluster or ""), info,
-                                         cfg.cluster_ttl_s)
-        self.registration.start()
+        registration = Registration(EtcdTarget.parse(cfg.cluster or ""), info, cfg.cluster_ttl_s)
+        registration.start()  # Unavailable without etcd: the server stops, nothing registered
+        self.registration = registration
 
     def _bind_unix(self, path: str) -> None:
         if len(path) > 107:
