@@ -38,6 +38,7 @@ class MemberInfo:
     layout: str  # e.g. "16 layers x 8 kv heads x 64, bf16"
     pid: int
     started: float  # unix time
+    ttl_s: int = DEFAULT_TTL_S  # its registration's lease: how long a crash goes unnoticed
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -46,7 +47,7 @@ class MemberInfo:
     def from_json(cls, data: bytes) -> MemberInfo:
         try:
             d = json.loads(data)
-            return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+            return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "ttl_s"})
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidArgument(f"not a radixkv member record ({e}): {data[:120]!r}") from None
 
@@ -121,6 +122,6 @@ class Registration:
 
 
 def make_info(node_id: str, address: str, epoch: str, block_size: int, num_blocks: int,
-              bytes_per_block: int, layout: str) -> MemberInfo:
+              bytes_per_block: int, layout: str, ttl_s: int = DEFAULT_TTL_S) -> MemberInfo:
     return MemberInfo(check_node_id(node_id), address, epoch, block_size, num_blocks,
-                      bytes_per_block, layout, os.getpid(), time.time())
+                      bytes_per_block, layout, os.getpid(), time.time(), ttl_s)

@@ -71,6 +71,7 @@ class Router:
         self._lock = threading.Lock()
         self._recent: deque[str] = deque()
         self._recent_counts: Counter[str] = Counter()
+        self._missing: dict[str, float] = {}  # node -> monotonic time it is dropped, if unseen
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._watch, name="etcd-watch", daemon=True),
                          threading.Thread(target=self._poll, name="member-poll", daemon=True)]
@@ -99,11 +100,12 @@ class Router:
         """Read the members, then follow changes; on any etcd error read again (nothing is
         dropped while etcd is away: a member leaves only when its key is deleted)."""
         prefix = self.target.members_prefix
-        warned = False
+        warned = outage = False
         while not self._stop.is_set():
             try:
                 kvs, revision = self.etcd.get_prefix(prefix)
-                self._reconcile({k[len(prefix):].decode(): v for k, v in kvs})
+                self._reconcile({k[len(prefix):].decode(): v for k, v in kvs}, outage)
+                outage = False
                 self.synced.set()
                 if warned:
                     log.info("etcd at %s is back", self.target.grpc_target)
@@ -116,14 +118,23 @@ class Router:
                         else:
                             self._join(node, ev.value)
             except RadixKVError as e:
+                outage = True
                 if not warned:
                     log.warning("membership: %s; retrying", e)
                     warned = True
             self._stop.wait(0.5)
 
-    def _reconcile(self, records: dict[str, bytes]) -> None:
+    def _reconcile(self, records: dict[str, bytes], outage: bool = False) -> None:
+        """Make the members those of `records`. After an etcd outage a member missing from
+        etcd may only not have registered again yet (etcd restarted empty): it stays one of
+        its TTLs + 1 s before it is dropped (by the poller), keeping its index."""
+        now = time.monotonic()
         with self._lock:
             gone = [n for n in self._members if n not in records]
+            if outage:
+                for n in gone:
+                    self._missing.setdefault(n, now + self._members[n].info.ttl_s + 1.0)
+                gone = []
         for node in gone:
             self._leave(node, "no longer registered")
         for node, value in records.items():
@@ -136,6 +147,7 @@ class Router:
             log.warning("ignoring member key %s: %s", node, e)
             return
         with self._lock:
+            self._missing.pop(node, None)
             old = self._members.get(node)
             if old is not None and old.info.address == info.address \
                     and old.info.epoch == info.epoch:
@@ -150,6 +162,7 @@ class Router:
 
     def _leave(self, node: str, why: str) -> None:
         with self._lock:
+            self._missing.pop(node, None)
             follower = self._members.pop(node, None)
         if follower is not None:
             follower.stop(join=False)
@@ -160,6 +173,11 @@ class Router:
         while not self._stop.wait(POLL_S):
             for f in self.followers():
                 f.poll()
+            now = time.monotonic()
+            with self._lock:
+                late = [n for n, t in self._missing.items() if t <= now]
+            for node in late:
+                self._leave(node, "did not register again after etcd came back")
 
     def followers(self) -> list[Follower]:
         with self._lock:

@@ -128,7 +128,7 @@ class RadixKVServer:
         info = make_info(cfg.node_id, address, self.pool.epoch, layout.block_size,
                          self.pool.num_blocks, layout.bytes_per_block,
                          f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
-                         f"{layout.head_dim}, {layout.dtype}")
+                         f"{layout.head_dim}, {layout.dtype}", cfg.cluster_ttl_s)
         registration = Registration(EtcdTarget.parse(cfg.cluster or ""), info, cfg.cluster_ttl_s)
         registration.start()  # Unavailable without etcd: the server stops, nothing registered
         self.registration = registration
