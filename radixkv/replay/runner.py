@@ -28,6 +28,11 @@ The service is started for the run (`python -m radixkv serve` on a temporary soc
 KV layer / head / dim in fp16 so a block is 4 x block_size bytes) unless `target` names a
 running one; then the block size and capacity are the server's, and namespaces get a per-run
 prefix so earlier contents neither hit nor fail verification.
+
+Over a cluster (`nodes` > 0 starts etcd, members and a router; `router` names a running one),
+each client sends each request to the member radixkv.replay.routing picks; the Stats figures
+are summed over the members (radixkv.replay.cluster), the optimum and the ceiling are those of
+one node of the members' capacity summed, and the report adds the spread and Route's time.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import contextlib
 import itertools
 import json
 import multiprocessing as mp
-import os
 import queue
 import signal
 import tempfile
@@ -45,7 +49,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,7 @@ import numpy as np
 
 from radixkv.errors import InvalidArgument, RadixKVError
 from radixkv.replay.client import ClientArgs, block_keys, client_main
+from radixkv.replay.cluster import ClusterRun, ClusterStats, service_flags, start_cluster
 from radixkv.replay.report import (
     Cluster,
     Latency,
@@ -76,18 +81,6 @@ DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 MOONCAKE_BLOCK_SIZE = 512
 
 
-def _service_flags(directory: str, block_size: int, capacity_blocks: int,
-                   policy: str) -> tuple[str, ...]:
-    """`radixkv serve` flags of a replay's service: a tiny layout written to `directory`."""
-    config = os.path.join(directory, "config.json")
-    with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
-        json.dump({"num_hidden_layers": 1, "num_attention_heads": 1,
-                   "num_key_value_heads": 1, "head_dim": 2 if block_size == 1 else 1,
-                   "torch_dtype": "float16"}, f)
-    return ("--model-config", config, "--block-size", str(block_size),
-            "--num-blocks", str(capacity_blocks), "--policy", policy)
-
-
 @contextlib.contextmanager
 def start_service(
     block_size: int, capacity_blocks: int, policy: str = "lru"
@@ -95,25 +88,9 @@ def start_service(
     """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
     SIGTERM at exit."""
     with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
-        flags = _service_flags(directory, block_size, capacity_blocks, policy)
+        flags = service_flags(directory, block_size, capacity_blocks, policy)
         with server_process(*flags) as server:
             yield server.socket
-
-
-@contextlib.contextmanager
-def start_cluster(nodes: int, block_size: int, capacity_blocks: int,
-                  policy: str = "lru") -> Iterator[Any]:
-    """etcd + `nodes` members of `capacity_blocks` each + a router, all on this machine
-    (radixkv.cluster.local); yields the LocalCluster once the router has indexed them all."""
-    from radixkv.cluster.local import local_cluster
-    from radixkv.cluster.routed import RouterClient
-
-    with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
-        flags = _service_flags(directory, block_size, capacity_blocks, policy)
-        with local_cluster(nodes, *flags) as cluster:
-            with RouterClient(cluster.router) as rc:
-                rc.wait_members(nodes)
-            yield cluster
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -177,15 +154,6 @@ class ReplayOptions:
     round_trips: int = 2  # per request: 2 (Match allocates, Insert releases) or 4
     routing: str = "cache-aware"  # over a cluster: radixkv.replay.routing
     kill_member_after: int | None = None  # SIGKILL one member after this many requests
-
-
-@dataclass
-class ClusterRun:
-    """A replay over a cluster: its router, and the LocalCluster when the replay started it."""
-
-    router: str
-    local: Any = None
-    killed: list[str] = field(default_factory=list)
 
 
 def run_replay(
@@ -354,65 +322,6 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         nodes, opts.routing, cluster.router, capacity, tuple(sorted(counts.items())),
         Cluster.imbalance(list(counts.values())), Latency.of(route[route >= 0] / 1e3),
         tuple(cluster.killed)))
-
-
-class ClusterStats:
-    """The replay's view of a cluster: geometry from the router's member list, Stats summed
-    over the members that answer (a killed one drops out of the sums)."""
-
-    def __init__(self, router: str) -> None:
-        from radixkv.cluster.routed import RouterClient
-
-        self.router = RouterClient(router)
-        self.num_members = 0
-
-    def __enter__(self) -> ClusterStats:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.router.close()
-
-    def wait_ready(self) -> None:
-        self.num_members = len(self.router.wait_members(1)["members"])
-
-    def geometry(self) -> tuple[int, int, int]:
-        """(block size, blocks per member, bytes per block) of the first member."""
-        from radixkv.client import Client
-
-        m = self.router.members()["members"][0]
-        with Client(m["address"]) as kv:
-            info = kv.pool_info()
-        return m["block_size"], m["num_blocks"], info.layout.bytes_per_block
-
-    def stats(self, check_integrity: bool = False) -> dict[str, Any]:
-        from radixkv.client import Client
-        from radixkv.errors import RadixKVError
-
-        total: dict[str, Any] = {"namespaces": [], "integrity": ""}
-        by_ns: dict[str, dict[str, Any]] = {}
-        checks = []
-        for m in self.router.members()["members"]:
-            try:
-                with Client(m["address"], timeout=10) as kv:
-                    st = kv.stats(check_integrity)
-            except RadixKVError:
-                continue
-            for key, value in st.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    total[key] = total.get(key, 0) + value
-            for ns in st["namespaces"]:
-                acc = by_ns.setdefault(ns["namespace"], {"namespace": ns["namespace"]})
-                for key, value in ns.items():
-                    if isinstance(value, int) and key != "namespace":
-                        acc[key] = acc.get(key, 0) + value
-            checks.append(f"{m['node_id']} {st['integrity']}")
-        total["namespaces"] = list(by_ns.values())
-        if check_integrity:
-            ok = all(c.endswith(" ok") for c in checks)
-            total["integrity"] = "ok" if ok and checks else "; ".join(checks)
-        for key in ("cached_blocks", "evicted_blocks"):
-            total.setdefault(key, 0)
-        return total
 
 
 def _collect(kv: Any, procs: list[Any], results: Any, done: Any, t0: float,
