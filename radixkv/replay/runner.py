@@ -198,6 +198,8 @@ def run_replay(
 
     if routing not in POLICIES:
         raise InvalidArgument(f"routing {routing!r}: one of {', '.join(POLICIES)}")
+    if sum(x is not None and x != 0 for x in (target, router, nodes)) > 1:
+        raise InvalidArgument("give one of a target service, a router, or a number of nodes")
     if nodes < 0 or (kill_member_after is not None and not nodes):
         raise InvalidArgument("nodes must be >= 0; kill_member_after needs a cluster started "
                               "here (nodes > 0)")
