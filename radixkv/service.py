@@ -139,6 +139,7 @@ class ServiceStats:
     evicted_blocks: int
     uptime_s: float
     namespaces: tuple[NamespaceStats, ...]
+    event_sequence: int = 0  # the last event published when these figures were read
 
 
 @dataclass(slots=True)
@@ -174,6 +175,20 @@ class _Namespace:
     tree: RadixTree
     num_leases: int = 0  # live leases in this namespace
     life: _Counters = field(default_factory=_Counters)
+
+
+def check_namespace(namespace: str) -> None:
+    """InvalidArgument unless `namespace` is a valid name: 1-256 printable ASCII characters,
+    no spaces."""
+    if not namespace:
+        raise InvalidArgument("namespace must not be empty")
+    if len(namespace) > MAX_NAMESPACE_LEN:
+        raise InvalidArgument(f"namespace is {len(namespace)} characters, "
+                              f"limit {MAX_NAMESPACE_LEN}")
+    if not NAMESPACE_CHARS.issuperset(namespace):
+        bad = next(c for c in namespace if c not in NAMESPACE_CHARS)
+        raise InvalidArgument(f"namespace {namespace!r} has {bad!r}: names are printable "
+                              "ASCII without spaces")
 
 
 class KVService:
@@ -400,6 +415,7 @@ class KVService:
             cached = sum(ns.tree.num_cached_blocks for ns in self._namespaces.values())
             pinned = sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())
             return ServiceStats(
+                event_sequence=self.events.last_sequence,
                 num_blocks=self.pool.num_blocks,
                 free_blocks=self.pool.num_free,
                 leased_blocks=len(self._lease_of_block),
@@ -473,15 +489,7 @@ class KVService:
     # ---- internals ---------------------------------------------------------------------------
 
     def _check_namespace(self, namespace: str) -> None:
-        if not namespace:
-            raise InvalidArgument("namespace must not be empty")
-        if len(namespace) > MAX_NAMESPACE_LEN:
-            raise InvalidArgument(f"namespace is {len(namespace)} characters, "
-                                  f"limit {MAX_NAMESPACE_LEN}")
-        if not NAMESPACE_CHARS.issuperset(namespace):
-            bad = next(c for c in namespace if c not in NAMESPACE_CHARS)
-            raise InvalidArgument(f"namespace {namespace!r} has {bad!r}: names are printable "
-                                  "ASCII without spaces")
+        check_namespace(namespace)
 
     def _ttl(self, ttl_s: float | None) -> float:
         """The TTL a call asked for (None or 0: the default), within [min(1 s, default), cap]:

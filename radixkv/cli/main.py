@@ -110,7 +110,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
         workers=args.workers, stream_workers=args.stream_workers,
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        auth_token=read_token(args.auth_token_file, None))  # None: from_env reads the env var
+        auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
+        cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
+        cluster_ttl_s=args.cluster_ttl)
+    if args.cluster and not args.node_id:
+        raise SystemExit("radixkv serve: --cluster needs --node-id")
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
     config = replace(config, service=replace(
         config.service, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
@@ -153,6 +157,10 @@ def cmd_clear(args: argparse.Namespace) -> int:
 def cmd_view(args: argparse.Namespace) -> int:
     from radixkv.cli.inspector import run
 
+    if getattr(args, "router", None):
+        from radixkv.cli.cluster import inspect_router
+
+        return inspect_router(args.router, bool(args.json))
     return run(args)
 
 
@@ -239,6 +247,17 @@ def _add_serve(sub: Any) -> None:
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (127.0.0.1; 0 or absent: off)")
+    g = p.add_argument_group("cluster (radixkv/cluster/membership.py)")
+    g.add_argument("--cluster", metavar="etcd://HOST:PORT[/NAME]",
+                   help="register this server as a member of the cluster NAME (default "
+                   "'default') in etcd, for `radixkv router`; off by default")
+    g.add_argument("--node-id", metavar="ID", help="this member's id in the cluster")
+    g.add_argument("--advertise", metavar="ADDR",
+                   help="the address members publish for engines and routers (default: the "
+                   "first one this server listens on, e.g. unix:///path)")
+    g.add_argument("--cluster-ttl", type=positive_int, default=5, metavar="SECONDS",
+                   help="the registration's etcd lease: a crashed member drops out after this "
+                   "(5); a clean stop leaves at once")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop (as on SIGTERM) when the process that started this one exits; "
@@ -265,7 +284,10 @@ def _add_views(sub: Any) -> None:
     conn, view_conn = [_connection_flags(False)], [_connection_flags(True)]
     p = sub.add_parser("inspect", parents=conn, help="look into a running cache",
                        description="Views of a running service: the summary (default), one "
-                       "namespace's radix tree, or its hottest prefixes.")
+                       "namespace's radix tree, or its hottest prefixes; with --router, a "
+                       "cluster's members as its router sees them.")
+    p.add_argument("--router", metavar="PATH|TARGET",
+                   help="show a router's members: health, epochs, index size, hit rates")
     views = p.add_subparsers(dest="view", metavar="VIEW")
     views.add_parser("summary", parents=view_conn, help="pool, hit rates, namespaces")
     v = views.add_parser("tree", parents=view_conn, help="one namespace's radix tree")
@@ -338,8 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="radixkv: a prefix KV-cache service for LLM inference engines.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from radixkv.cli import cluster
+
     for add in (_add_calc, _add_serve, _add_demo, _add_chat, _add_views, _add_clear,
-                _add_replay):
+                _add_replay, cluster.add_router, cluster.add_route):
         add(sub)
     return parser
 

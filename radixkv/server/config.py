@@ -80,6 +80,10 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM files: TLS on the TCP port
     tls_key: str | None = None
     auth_token: str | None = None  # required from every radixkv.v1 call when set
+    cluster: str | None = None  # etcd://HOST:PORT[/CLUSTER]: register as a member there
+    node_id: str | None = None  # this member's id in the cluster (required with cluster)
+    advertise: str | None = None  # the address members publish (default: the first bound)
+    cluster_ttl_s: int = 5  # the etcd lease of the registration: a crashed member expires
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
     @classmethod

@@ -243,7 +243,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity")
+    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class StatsResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     layout: KVLayout
     num_blocks: int
@@ -284,7 +285,8 @@ class StatsResponse(_message.Message):
     epoch: str
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     integrity: str
-    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ...) -> None: ...
+    event_sequence: int
+    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class DumpTreeRequest(_message.Message):
     __slots__ = ("namespace", "max_depth")
