@@ -210,7 +210,11 @@ def _add_calc(sub: Any) -> None:
     p = sub.add_parser("calc", help="KV-cache memory calculator",
                        description="Bytes per token and block, per context, per N requests, "
                        "and how many tokens fit in a memory budget, at the model's dtype and "
-                       "at int8 / int4 (scale overhead included).")
+                       "at int8 / int4 (scale overhead included). For a sliding-window model "
+                       "(a windowed preset, a config with sliding_window, or --sliding-window), "
+                       "also the bytes per token of its full and windowed layers and what one "
+                       "--context-token conversation costs when windowed layers keep only their "
+                       "window, against every layer kept in full.")
     add_layout_flags(p, default_preset="llama-3-8b")
     p.add_argument("--context", type=int, default=4096, help="tokens in one context (4096)")
     p.add_argument("--requests", type=int, default=100, help="concurrent requests (100)")
