@@ -10,17 +10,31 @@ them segment by segment (`KVLayout.segments`; the codec is gpu_pool/quant.py):
         (`key_scales="channel"`, KIVI) or per token groups ("token"); values per token groups.
 `sink_tokens`: the first tokens of every sequence ("attention sinks") stay in `model_dtype`; they
 live in sink blocks, a region of the pool whose blocks carry them after the quantized part.
+
+Sliding-window attention (`sliding_window` W on `window_layers`; gpu_pool/window.py reads the
+pattern from a model config or a flag): a windowed layer needs only the KV of the last W - 1
+tokens before the resume point, ceil((W - 1) / block_size) blocks, while full layers need every
+block. Each layer is an equal share of a block (every segment has the layer as its first axis), so
+`full_bytes_per_block` + `window_bytes_per_block` = `bytes_per_block`; `conversation_bytes` counts
+a cached conversation both ways. The pool still stores every layer of every block.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from gpu_pool.errors import InvalidArgument
+from gpu_pool.window import (
+    check_window,
+    format_window_layers,
+    parse_window_layers,
+    window_from_hf_config,
+)
 
 DTYPE_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 QUANTIZED = ("int8", "int4")
@@ -48,6 +62,9 @@ class KVLayout:
     group_size: int = 0
     key_scales: str = "channel"
     sink_tokens: int = 0
+    # sliding-window attention: None is full attention on every layer (then window_layers is ())
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()  # the windowed layers' indices, increasing
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -80,6 +97,35 @@ class KVLayout:
             raise InvalidArgument(f"sink tokens ({self.sink_tokens}) must be fewer than the "
                                   f"block size ({self.block_size}): they are the start of a "
                                   f"sequence's first block")
+        self._check_window()
+
+    def _check_window(self) -> None:
+        if self.sliding_window is None:
+            if self.window_layers:
+                raise InvalidArgument("KVLayout.window_layers without a sliding_window")
+            return
+        check_window(self.sliding_window)
+        layers = self.window_layers
+        if not isinstance(layers, tuple) or not layers:
+            raise InvalidArgument(f"a sliding window needs a non-empty tuple of windowed layers, "
+                                  f"got {layers!r}")
+        for i in layers:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers:
+                raise InvalidArgument(f"window layer {i!r} is not one of the layers "
+                                      f"0-{self.num_layers - 1}")
+        if list(layers) != sorted(set(layers)):
+            raise InvalidArgument(f"window layers must be increasing and distinct: {layers}")
+
+    def __repr__(self) -> str:
+        """The dataclass repr; the window fields only when there is a window (the layers as
+        their --window-layers spec)."""
+        names = ["num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_dtype",
+                 "group_size", "key_scales", "sink_tokens"]
+        text = ", ".join(f"{n}={getattr(self, n)!r}" for n in names)
+        if self.sliding_window is not None:
+            text += (f", sliding_window={self.sliding_window}, "
+                     f"window_layers={self.window_pattern!r}")
+        return f"KVLayout({text})"
 
     @property
     def elements_per_token(self) -> int:
@@ -145,6 +191,95 @@ class KVLayout:
     def is_quantized(self) -> bool:
         return self.dtype in QUANTIZED
 
+    # -- sliding-window attention ---------------------------------------------------------------
+
+    @property
+    def is_windowed(self) -> bool:
+        """Some layers use sliding-window attention."""
+        return self.sliding_window is not None
+
+    @property
+    def window_pattern(self) -> str:
+        """The windowed layers as a --window-layers spec ("all", "alternate", "5:1", "0-3,8");
+        "" without a window."""
+        if not self.window_layers:
+            return ""
+        return format_window_layers(self.window_layers, self.num_layers)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers."""
+        windowed = set(self.window_layers)
+        return tuple(i for i in range(self.num_layers) if i not in windowed)
+
+    @property
+    def layer_bytes_per_block(self) -> int:
+        """One layer's share of a block, values plus scales (exact: every segment has the
+        layer as its first axis)."""
+        return self.bytes_per_block // self.num_layers
+
+    @property
+    def full_bytes_per_block(self) -> int:
+        """The full-attention layers' part of a block."""
+        return (self.num_layers - len(self.window_layers)) * self.layer_bytes_per_block
+
+    @property
+    def window_bytes_per_block(self) -> int:
+        """The windowed layers' part of a block (0 without a window)."""
+        return len(self.window_layers) * self.layer_bytes_per_block
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """What one token costs in the full-attention layers (rounded up to a byte)."""
+        return -(-self.full_bytes_per_block // self.block_size)
+
+    @property
+    def window_bytes_per_token(self) -> int:
+        """What one token costs in the windowed layers (rounded up to a byte; 0 without a
+        window). Unquantized, full + window bytes per token = `bytes_per_token`."""
+        return -(-self.window_bytes_per_block // self.block_size)
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks a windowed layer keeps behind a block-aligned resume point p: positions
+        [p - W + 1, p), ceil((W - 1) / block_size) blocks (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return -(-(self.sliding_window - 1) // self.block_size)
+
+    def conversation_blocks(self, num_tokens: int) -> int:
+        """Blocks one cached conversation of `num_tokens` tokens spans: ceil(T / block_size)."""
+        if num_tokens < 0:
+            raise InvalidArgument(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size)
+
+    def conversation_bytes(self, num_tokens: int, windowed: bool = True) -> int:
+        """Pool bytes one cached conversation of `num_tokens` tokens holds, in whole blocks
+        (`conversation_blocks`), sink tokens included. `windowed`: the windowed layers keep only
+        their last `window_blocks` blocks (and the sequence's sink tokens only while the window
+        still reaches block 0); False: every layer is treated as full. Without a window both
+        are the same."""
+        blocks = self.conversation_blocks(num_tokens)
+        sinks = self.sink_bytes if blocks else 0
+        if not windowed or not self.is_windowed:
+            return blocks * self.bytes_per_block + sinks
+        kept = min(blocks, self.window_blocks)
+        layer_sinks = sinks // self.num_layers
+        window_sinks = layer_sinks * len(self.window_layers) if kept == blocks else 0
+        return (blocks * self.full_bytes_per_block + sinks - layer_sinks * len(self.window_layers)
+                + kept * self.window_bytes_per_block + window_sinks)
+
+    def with_window(self, sliding_window: int | None,
+                    layers: str | Sequence[int] = "all") -> KVLayout:
+        """This geometry with a sliding window of `sliding_window` tokens on `layers` (a
+        --window-layers spec or layer indices); None: full attention on every layer."""
+        if sliding_window is None:
+            return replace(self, sliding_window=None, window_layers=())
+        check_window(sliding_window)
+        picked = (parse_window_layers(layers, self.num_layers) if isinstance(layers, str)
+                  else tuple(sorted(set(layers))))
+        return replace(self, sliding_window=sliding_window, window_layers=picked)
+
     def context_bytes(self, num_tokens: int) -> int:
         """KV bytes for one context of `num_tokens` tokens, sink tokens included."""
         if num_tokens < 0:
@@ -175,13 +310,23 @@ class KVLayout:
                        key_scales="channel", sink_tokens=0)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; the window ones only when there is a window (JSON-safe: a list)."""
+        out = asdict(self)
+        if self.sliding_window is None:
+            del out["sliding_window"], out["window_layers"]
+        else:
+            out["window_layers"] = list(self.window_layers)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
         fields = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_dtype",
-                  "group_size", "key_scales", "sink_tokens")
-        return cls(**{k: data[k] for k in fields if k in data})
+                  "group_size", "key_scales", "sink_tokens", "sliding_window")
+        out = {k: data[k] for k in fields if k in data}
+        if "window_layers" in data:
+            layers = data["window_layers"]
+            out["window_layers"] = tuple(layers) if isinstance(layers, list) else layers
+        return cls(**out)
 
     @classmethod
     def from_preset(cls, name: str, dtype: str | None = None, block_size: int = 16) -> KVLayout:
@@ -200,7 +345,9 @@ class KVLayout:
     ) -> KVLayout:
         """Build from a Hugging Face `config.json` (a dict or a path). Uses num_hidden_layers,
         num_key_value_heads (default num_attention_heads: no GQA), and head_dim or
-        hidden_size / num_attention_heads; dtype from torch_dtype unless given."""
+        hidden_size / num_attention_heads; dtype from torch_dtype unless given; the sliding
+        window and its layers from sliding_window, layer_types and the like
+        (gpu_pool.window.window_from_hf_config)."""
         if not isinstance(config, dict):
             path = Path(config)
             if path.is_dir():
@@ -243,8 +390,9 @@ class KVLayout:
                 f"num_key_value_heads {num_kv_heads}"
             )
         hf_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        window, window_layers = window_from_hf_config(cfg, num_layers)
         lay = cls(num_layers, num_kv_heads, head_dim, _HF_DTYPES.get(str(hf_dtype), "bf16"),
-                  block_size)
+                  block_size, sliding_window=window, window_layers=window_layers)
         return lay.with_dtype(dtype) if dtype else lay
 
 
@@ -260,6 +408,20 @@ PRESETS: dict[str, KVLayout] = {
     "qwen2.5-72b": KVLayout(num_layers=80, num_kv_heads=8, head_dim=128),
     # radixkv.engines.models "smollm2-135m": its Q4_1 weights run dequantized, so KV is fp32
     "smollm2-135m": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="fp32"),
+    # Sliding-window attention. Mistral-7B-v0.1: every layer windowed (v0.2 and later, the
+    # "mistral-7b" preset, dropped the window).
+    "mistral-7b-v0.1": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128,
+                                sliding_window=4096, window_layers=tuple(range(32))),
+    # Gemma-3-12B's attention (48 layers, 8 KV heads, head_dim 256, window 1,024, every sixth
+    # layer full: 40 windowed, 8 full). "-like": the other sizes differ in layers and heads (27B:
+    # 62 layers, 16 x 128; 1B: 26 layers, 1 KV head, window 512).
+    "gemma-3-like": KVLayout(num_layers=48, num_kv_heads=8, head_dim=256, sliding_window=1024,
+                             window_layers=tuple(i for i in range(48) if i % 6 < 5)),
+    # gpt-oss-20b's attention (24 layers, 8 KV heads, head_dim 64, window 128, even layers
+    # windowed). "-like": gpt-oss-120b has 36 such layers; its learned per-head attention sinks
+    # are weights, not cached tokens, so they cost no KV.
+    "gpt-oss-like": KVLayout(num_layers=24, num_kv_heads=8, head_dim=64, sliding_window=128,
+                             window_layers=tuple(range(0, 24, 2))),
 }
 
 

@@ -116,6 +116,8 @@ def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
             layout = dataclasses.replace(layout, model_dtype=q.model_dtype,
                                          group_size=q.group_size, key_scales=q.key_scales,
                                          sink_tokens=q.sink_tokens)
+        if q.sliding_window:  # sliding-window attention on some layers
+            layout = layout.with_window(q.sliding_window, tuple(q.window_layers))
     except errors.InvalidArgument as e:
         raise errors.InvalidArgument(f"this client does not understand the service's pool "
                                      f"layout: {e}") from None

@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
-from radixkv.errors import RadixKVError
+from radixkv.errors import InvalidArgument, RadixKVError
 from radixkv.index.eviction import POLICIES
 
 
@@ -54,6 +54,15 @@ def add_layout_flags(p: argparse.ArgumentParser, default_preset: str | None) -> 
     g.add_argument("--kv-key-scales", choices=["channel", "token"], default="channel",
                    help="with --kv-dtype int4: keys scaled per channel over a block's tokens "
                         "(default) or per token group like values")
+    g.add_argument("--sliding-window", type=positive_int, metavar="W",
+                   help="sliding-window attention of W tokens (a query sees itself and the W-1 "
+                        "before it) on the --window-layers; overrides the preset's or config's")
+    g.add_argument("--window-layers", metavar="SPEC",
+                   help="the layers the window applies to (default: the model's own, else all): "
+                        "all (Mistral-7B-v0.1), "
+                        "alternate (even layers windowed, odd full: Gemma-2, gpt-oss), N:M (N "
+                        "windowed then M full, repeating: Gemma-3 is 5:1) or indices like "
+                        "0-3,8")
 
 
 def layout_from_args(args: argparse.Namespace) -> KVLayout:
@@ -63,6 +72,7 @@ def layout_from_args(args: argparse.Namespace) -> KVLayout:
         raise SystemExit("give --preset NAME or --model-config PATH")
     else:
         layout = KVLayout.from_preset(args.preset, args.dtype, args.block_size)
+    layout = window_from_args(layout, args)
     if args.kv_dtype:
         if layout.is_quantized:
             raise SystemExit(f"--kv-dtype {args.kv_dtype} with --dtype {layout.dtype}: give the "
@@ -70,6 +80,18 @@ def layout_from_args(args: argparse.Namespace) -> KVLayout:
         layout = replace(layout.with_dtype(args.kv_dtype, args.kv_sink_tokens),
                          group_size=args.kv_group_size, key_scales=args.kv_key_scales)
     return layout
+
+
+def window_from_args(layout: KVLayout, args: argparse.Namespace) -> KVLayout:
+    """--sliding-window and --window-layers over the preset's or config's own window."""
+    window, spec = args.sliding_window, args.window_layers
+    if spec is not None and window is None and not layout.is_windowed:
+        raise InvalidArgument(f"--window-layers {spec} needs --sliding-window W: this model "
+                              "has no sliding window")
+    if window is None and spec is None:
+        return layout
+    return layout.with_window(window or layout.sliding_window,
+                              spec if spec is not None else layout.window_pattern or "all")
 
 
 def cmd_calc(args: argparse.Namespace) -> int:
@@ -132,6 +154,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{config.backend} pool, {config.num_blocks} blocks x "
               f"{format_bytes(pool.bytes_per_block)} ({pool.block_size} tokens each), "
               f"epoch {server.pool.epoch}", flush=True)  # type: ignore[attr-defined]
+        if pool.is_windowed:
+            print(f"sliding window {pool.sliding_window} on {len(pool.window_layers)} of "
+                  f"{pool.num_layers} layers ({pool.window_pattern}): described to clients; "
+                  "the pool keeps every layer of every block", flush=True)
 
     return serve(config, ready)
 
@@ -184,7 +210,11 @@ def _add_calc(sub: Any) -> None:
     p = sub.add_parser("calc", help="KV-cache memory calculator",
                        description="Bytes per token and block, per context, per N requests, "
                        "and how many tokens fit in a memory budget, at the model's dtype and "
-                       "at int8 / int4 (scale overhead included).")
+                       "at int8 / int4 (scale overhead included). For a sliding-window model "
+                       "(a windowed preset, a config with sliding_window, or --sliding-window), "
+                       "also the bytes per token of its full and windowed layers and what one "
+                       "--context-token conversation costs when windowed layers keep only their "
+                       "window, against every layer kept in full.")
     add_layout_flags(p, default_preset="llama-3-8b")
     p.add_argument("--context", type=int, default=4096, help="tokens in one context (4096)")
     p.add_argument("--requests", type=int, default=100, help="concurrent requests (100)")

@@ -102,6 +102,9 @@ def layout_pb(layout: KVLayout) -> pb.KVLayout:
         out.model_dtype, out.group_size = layout.model_dtype, layout.group_size
         out.key_scales, out.sink_tokens = layout.key_scales, layout.sink_tokens
         out.sink_bytes_per_block = layout.sink_bytes_per_block
+    if layout.sliding_window is not None:
+        out.sliding_window = layout.sliding_window
+        out.window_layers.extend(layout.window_layers)
     return out
 
 

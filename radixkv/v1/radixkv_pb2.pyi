@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "bytes_per_block", "model_dtype", "group_size", "key_scales", "sink_tokens", "sink_bytes_per_block")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "bytes_per_block", "model_dtype", "group_size", "key_scales", "sink_tokens", "sink_bytes_per_block", "sliding_window", "window_layers")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class KVLayout(_message.Message):
     KEY_SCALES_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SINK_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_LAYERS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -30,7 +32,9 @@ class KVLayout(_message.Message):
     key_scales: str
     sink_tokens: int
     sink_bytes_per_block: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model_dtype: _Optional[str] = ..., group_size: _Optional[int] = ..., key_scales: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., sink_bytes_per_block: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    window_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model_dtype: _Optional[str] = ..., group_size: _Optional[int] = ..., key_scales: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., sink_bytes_per_block: _Optional[int] = ..., sliding_window: _Optional[int] = ..., window_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PoolInfoRequest(_message.Message):
     __slots__ = ()
