@@ -3,6 +3,8 @@
     python bench/tree_replay.py --trace ../shared/traces/mooncake/conversation_trace.jsonl \
         --block-size 512 --capacity-blocks 16384 [--json]
     python bench/tree_replay.py --trace synthetic --requests 2000 --block-size 16
+    python bench/tree_replay.py --trace T --block-size 512 --capacity-blocks C \
+        --policy adaptive [--hints] --json
     python bench/tree_replay.py --trace synthetic --eviction-sizes 1000,10000,100000
     python bench/tree_replay.py --scale [--scale-sizes 10000,100000,1000000,10000000] [--json]
 
@@ -10,6 +12,8 @@ Per request it follows radixkv.replay.simulate's contract (match, lock, evict wh
 unlock). After a warm-up replay it reports token hit rate (matched / prompt tokens), blocks
 evicted, requests/s and match / insert latency; then, in a separate pass under tracemalloc,
 the Python memory the tree uses per cached block (token bytes included, and shown apart).
+--hints sends each request's retention hint derived from the trace (radixkv.replay.hints:
+client-supplied knowledge, it reads the future).
 --eviction-sizes measures evict() cost per block at several tree sizes, in steady state
 (each new request first evicts what it needs) and one block per call.
 --scale fills one tree with synthetic chats (no eviction) through each size in turn and there
@@ -32,8 +36,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from radixkv.index.eviction import POLICIES  # noqa: E402
+from radixkv.index.eviction import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from radixkv.index.tree import RadixTree  # noqa: E402
+from radixkv.replay.hints import trace_hints  # noqa: E402
 from radixkv.replay.simulate import replay_tree  # noqa: E402
 from radixkv.replay.workload import Request, generate_synthetic, iter_trace  # noqa: E402
 
@@ -151,7 +156,7 @@ def scale(args: argparse.Namespace, sizes: list[int], samples: int = 500) -> lis
 def eviction_cost(args: argparse.Namespace, size: int) -> dict[str, float]:
     """Fill a tree to `size` blocks with synthetic requests, then time evict() per block."""
     bb = 4 * args.block_size
-    tree = RadixTree(args.block_size, args.policy, record_events=False)
+    tree = RadixTree(args.block_size, make_policy(args.policy, size), record_events=False)
     next_id = 0
 
     def synthetic() -> Iterator[Request]:  # chunks with new seeds (and system prompts) as needed
@@ -200,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="replay at most this many")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--capacity-blocks", type=int, default=16384)
-    p.add_argument("--policy", choices=POLICIES, default="lru")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
+    p.add_argument("--hints", action="store_true",
+                   help="retention hints derived from the trace (client-supplied knowledge)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=200, help="requests replayed first, untimed")
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "capacity_blocks": args.capacity_blocks,
         "policy": args.policy,
+        "hints": args.hints,
     }
     if args.scale:
         out["scale"] = scale(args, [int(x) for x in args.scale_sizes.split(",")])
@@ -241,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     replay_tree(requests_of(args, args.warmup), args.block_size, args.capacity_blocks, args.policy)
+    hints = trace_hints(requests_of(args), args.block_size) if args.hints else None
     t0 = time.perf_counter()
-    r = replay_tree(requests_of(args), args.block_size, args.capacity_blocks, args.policy)
+    r = replay_tree(requests_of(args), args.block_size, args.capacity_blocks, args.policy,
+                    hints=hints)
     out |= {
         "requests": r.num_requests,
         "prompt_tokens": r.prompt_tokens,

@@ -7,8 +7,10 @@ Per request (a job from the shared queue, in trace order):
     Allocate(lease, rest)        -> new blocks; on OutOfBlocks, as many as are free or
                                     evictable (Stats), as replay_tree takes what it can have
     write keys into the blocks   -> first 8 bytes of each: block_keys() of its prefix
-    Insert(ns, tokens, ids)      -> skipped when no block is new (it would change no order)
-    Release(lease)
+    Insert(ns, tokens, ids)      -> every request with a full block, even when none is new: it
+                                    counts the request's end (the adaptive policy's lineage)
+    Release(lease)                  and carries the request's retention hint, if the replay has
+                                    hints (else Release does)
 
 Each full block's key is a 64-bit chained hash of namespace + token prefix (blake2b), so a hit
 block that holds anything but its own prefix's bytes is a mismatch.
@@ -143,7 +145,7 @@ def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, 
     verified = mismatches = 0
     examples: list[str] = []
     while (job := jobs.get()) is not None:
-        index, namespace, tokens, due_ms, key_bytes = job
+        index, namespace, tokens, due_ms, key_bytes, hint = job
         if args.speed and due_ms is not None:
             delay = t0 + due_ms / 1e3 / args.speed - time.time()
             if delay > 0:
@@ -174,16 +176,17 @@ def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, 
                 t = clock()
                 new = _allocate(kv, m.lease_id, min(need, args.capacity_blocks))
                 alloc_ns = clock() - t
-            if new:
-                if pool is not None:
-                    pool.write(new, keys[matched : matched + len(new)])
+            if new and pool is not None:
+                pool.write(new, keys[matched : matched + len(new)])
+            inserted = bool(new or matched)
+            if inserted:
                 t = clock()
                 kv.insert(namespace, tokens[: (matched + len(new)) * bb], m.block_ids + new,
-                          m.lease_id, m.epoch, release=two)
+                          m.lease_id, m.epoch, release=two, hint=hint)
                 insert_ns = clock() - t
-            if not (new and two):
+            if not (inserted and two):
                 t = clock()
-                kv.release(m.lease_id)
+                kv.release(m.lease_id, hint=None if inserted else hint)
                 release_ns = clock() - t
         for key, value in (("index", index), ("hit_tokens", hit), ("match_ns", match_ns),
                            ("allocate_ns", alloc_ns), ("insert_ns", insert_ns),

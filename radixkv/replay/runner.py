@@ -48,7 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.errors import InvalidArgument, RadixKVError
+from radixkv.index.eviction import DEFAULT_POLICY, POLICIES
 from radixkv.replay.client import ClientArgs, block_keys, client_main
+from radixkv.replay.hints import trace_hints
 from radixkv.replay.report import (
     ReplayReport,
     RunConfig,
@@ -72,7 +74,7 @@ MOONCAKE_BLOCK_SIZE = 512
 
 @contextlib.contextmanager
 def start_service(
-    block_size: int, capacity_blocks: int, policy: str = "lru"
+    block_size: int, capacity_blocks: int, policy: str = DEFAULT_POLICY
 ) -> Iterator[str]:
     """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
     SIGTERM at exit."""
@@ -91,7 +93,7 @@ def start_service(
 
 
 def _feed(requests: Iterable[Request], block_size: int, prefix: str, jobs: Any, clients: int,
-          trace: TraceLog, stop: threading.Event) -> None:
+          trace: TraceLog, stop: threading.Event, hints: list[str | None] | None) -> None:
     def put(item: Any) -> bool:
         while not stop.is_set():
             try:
@@ -113,7 +115,8 @@ def _feed(requests: Iterable[Request], block_size: int, prefix: str, jobs: Any, 
             trace.prompt_tokens.append(req.num_tokens)
             trace.timestamps_ms.append(due)
             trace.keys.append(keys.tolist())
-            if not put((index, namespace, req.tokens, due, keys.tobytes())):
+            hint = hints[index] if hints is not None else None
+            if not put((index, namespace, req.tokens, due, keys.tobytes(), hint)):
                 return
     except BaseException as e:  # a bad trace line: stop the clients, report it
         trace.error = e
@@ -146,6 +149,7 @@ class ReplayOptions:
     progress: bool
     total: int | None  # requests expected (None: unknown), for the progress bar
     round_trips: int = 2  # per request: 2 (Match allocates, Insert releases) or 4
+    hints: bool = False  # send retention hints derived from the trace (radixkv.replay.hints)
 
 
 def run_replay(
@@ -155,7 +159,7 @@ def run_replay(
     block_size: int = 16,
     capacity_blocks: int = 16384,
     clients: int = 4,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     limit: int | None = None,
     speed: float = 0.0,
     verify: bool = True,
@@ -164,11 +168,14 @@ def run_replay(
     num_windows: int = 40,
     progress: bool = False,
     trace_name: str = "",
+    hints: bool = False,
 ) -> ReplayReport:
     """Replay `requests` (Requests, or a Mooncake / token JSONL path, streamed) against the
     service at `target`, or against one started for the run with `block_size`,
     `capacity_blocks` and `policy`; see the module docstring. `speed` > 0 follows the trace
-    timestamps divided by it; 0 sends as fast as the clients go."""
+    timestamps divided by it; 0 sends as fast as the clients go. `hints`: send each request's
+    retention hint derived from the trace's future (client-supplied knowledge; one extra pass
+    over the trace first)."""
     if clients < 1:
         raise InvalidArgument(f"clients must be >= 1, got {clients}")
     if round_trips not in (2, 4):
@@ -178,27 +185,35 @@ def run_replay(
     opts = ReplayOptions(
         trace_name or (str(requests) if isinstance(requests, str | Path) else "requests"),
         clients, policy, speed, verify, prefill_tokens_per_s, num_windows, progress,
-        _count_requests(requests, limit), round_trips)
+        _count_requests(requests, limit), round_trips, hints)
     source: Iterable[Request] = (
         iter_trace(requests, limit) if isinstance(requests, str | Path) else
         (requests if limit is None else (r for i, r in zip(range(limit), requests, strict=False)))
     )
+    again: Iterable[Request] | None = None  # a second reading of the trace, for the hints
+    if hints and isinstance(requests, str | Path):
+        again = iter_trace(requests, limit)
+    elif hints:
+        again = source = list(source)
     if target is not None:
-        return _run(source, target, None, opts)
+        return _run(source, target, None, opts, again)
     if block_size < 1 or capacity_blocks < 1:
         raise InvalidArgument("block_size and capacity_blocks must be >= 1")
     with start_service(block_size, capacity_blocks, policy) as sock:
-        return _run(source, sock, (block_size, capacity_blocks), opts)
+        return _run(source, sock, (block_size, capacity_blocks), opts, again)
 
 
 def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
-         opts: ReplayOptions) -> ReplayReport:
+         opts: ReplayOptions, again: Iterable[Request] | None = None) -> ReplayReport:
     """Replay `source` against the service at `target` (`own`: the block size and capacity of
-    a service started for the run, else None) from `opts.clients` spawned processes."""
+    a service started for the run, else None) from `opts.clients` spawned processes. `again`:
+    the same requests once more, to derive hints from when `opts.hints`."""
     from radixkv.client import Client
 
     notes: list[str] = []
     policy = opts.policy
+    if opts.hints:
+        policy += " + trace-derived session hints (client-supplied knowledge)"
     with Client(target) as kv:
         kv.wait_ready()
         info = kv.pool_info()
@@ -230,8 +245,10 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
             p.start()
         trace = TraceLog()
         stop = threading.Event()
+        hints = trace_hints(again, block_size) if opts.hints and again is not None else None
         feeder = threading.Thread(target=_feed, args=(source, block_size, prefix, jobs,
-                                                      opts.clients, trace, stop), daemon=True)
+                                                      opts.clients, trace, stop, hints),
+                                  daemon=True)
         feeder.start()
         try:
             try:
@@ -319,7 +336,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "whose hash ids are 512-token blocks; 16 otherwise)")
     p.add_argument("--capacity-blocks", type=int, default=16384,
                    help="cache capacity in blocks: the started service's --num-blocks (16384)")
-    p.add_argument("--policy", default="lru", help="eviction policy: lru (default) or lfu")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES,
+                   help=f"eviction policy of the started service (default {DEFAULT_POLICY})")
+    p.add_argument("--hints", action="store_true",
+                   help="send retention hints derived from the trace: the last request of each "
+                   "chain is a session end (client-supplied knowledge: it reads the future)")
     p.add_argument("--clients", type=int, default=4, help="client processes (4)")
     p.add_argument("--target", default=None, metavar="SOCKET|TARGET",
                    help="replay against this running service instead of starting one (its "
@@ -368,7 +389,7 @@ def main(args: argparse.Namespace) -> int:
         verify=not args.no_verify, round_trips=args.round_trips,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         num_windows=args.windows, progress=True,
-        trace_name=args.trace)
+        trace_name=args.trace, hints=args.hints)
     paths = write_plots(report, args.plots) if args.plots else []
     if args.json:
         out = report.to_dict()
