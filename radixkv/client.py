@@ -438,6 +438,8 @@ class Lease:
         if self.released:
             return 0
         self.released = True
+        if hint is None:  # the plain call, as before hints existed
+            return self.client.release(self.lease_id)
         return self.client.release(self.lease_id, hint=hint)
 
     def __enter__(self) -> Lease:

@@ -202,4 +202,4 @@ def make_policy(name: str, capacity_blocks: int | None = None) -> EvictionPolicy
 
 _REGISTRY: dict[str, type[_HeapPolicy[Any]]] = {p.name: p for p in (LRUPolicy, LFUPolicy)}
 POLICIES: tuple[str, ...] = (*_REGISTRY, "adaptive")
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "adaptive"
