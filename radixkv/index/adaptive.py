@@ -55,8 +55,9 @@ class AdaptiveState:
     def new_policy(self, namespace: str = "") -> AdaptivePolicy[Any]:
         return AdaptivePolicy(self, namespace)
 
-    def limit(self) -> int:
-        return GHOST_FACTOR * (self.capacity if self.capacity is not None else max(64, self.peak))
+    def size(self) -> int:
+        """The cache size ARC works with: the pool's capacity, else the most blocks seen."""
+        return self.capacity if self.capacity is not None else max(64, self.peak)
 
     def take_from(self) -> int:
         """The list ARC evicts from now (ONCE or TWICE), ignoring which are empty."""
@@ -66,7 +67,7 @@ class AdaptiveState:
         ghost = self.ghosts[which - 1]
         ghost[key] = None
         ghost.move_to_end(key)
-        if len(ghost) > self.limit():
+        if len(ghost) > GHOST_FACTOR * self.size():
             ghost.popitem(last=False)
 
     def recall(self, key: int) -> int:
@@ -83,7 +84,7 @@ class AdaptiveState:
         b1, b2 = len(self.ghosts[0]), len(self.ghosts[1])
         self.ghost_hits[which - 1] += num_blocks
         if which == ONCE:
-            self.p = min(float(self.limit()), self.p + num_blocks * max(1.0, b2 / max(1, b1)))
+            self.p = min(float(self.size()), self.p + num_blocks * max(1.0, b2 / max(1, b1)))
         else:
             self.p = max(0.0, self.p - num_blocks * max(1.0, b1 / max(1, b2)))
 
