@@ -272,4 +272,4 @@ def test_service_integrity_with_adaptive_across_namespaces(seed):
 
 def test_session_hints():
     keys = [["a", "b", "c"], ["a", "d"], ["a", "b", "c", "e"], [], ["a", "d"]]
-    assert session_hints(keys) == ["keep", "keep", "session_end", None, "session_end"]
+    assert session_hints(keys) == [None, None, "session_end", None, "session_end"]
