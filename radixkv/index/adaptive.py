@@ -10,8 +10,9 @@ ARC: T1 while its blocks exceed the target `p`, else T2 (the other one when that
 new leaf whose first block is in a ghost list goes to T2 and moves `p`: a B1 hit means T1 was
 too small (p grows), a B2 hit that T2 was (p shrinks), each by the blocks re-inserted times the
 ratio of the ghost lists' sizes, as in ARC. A new leaf also goes to T2 when its request extends
-or repeats >= 2 earlier requests (`lineage`, counted by the tree on the path's nodes): a
-conversation's later turns will most likely be extended again.
+or repeats earlier requests that ended at >= 2 different nodes of its path (`lineage`, counted
+by the tree): a conversation's third turn onward. (Counting nodes, not requests: many short
+requests that end at one shared system prompt are one ancestor, not a long conversation.)
 
 A block's ghost key is a hash of (namespace salt, depth, its tokens): computed once per evicted
 block and once per inserted leaf, never over a whole prefix. B1 and B2 hold at most

@@ -94,8 +94,9 @@ class EvictionPolicy(ABC, Generic[T]):
     def __contains__(self, item: T) -> bool: ...
 
     def admit(self, item: T, lineage: int) -> None:
-        """Called once for a new leaf, before its `add`: `lineage` earlier requests ended on
-        its path (a conversation's later turn extends its earlier turns). Default: nothing."""
+        """Called once for a new leaf, before its `add`: `lineage` nodes of its path are where
+        earlier requests ended (a conversation's later turn extends its earlier turns).
+        Default: nothing."""
 
     def evicted(self, item: T, keep: int) -> None:
         """Called after `pop` returned `item` and before its blocks [keep:] go. Default:

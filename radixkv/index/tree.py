@@ -153,7 +153,9 @@ class RadixTree:
         clock: Callable[[], int] | None = None,
     ) -> None:
         """`clock` gives the logical ticks that order touches; trees that share one (a service
-        with several namespaces) can compare their victims with `next_victim_key()`."""
+        with several namespaces) can compare their victims with `next_victim_key()`. `policy`:
+        a name (a bare tree defaults to "lru"; the service and the tools default to
+        eviction.DEFAULT_POLICY, sized to their pool) or a new policy instance."""
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
         self._block_size = block_size
