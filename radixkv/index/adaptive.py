@@ -38,6 +38,7 @@ T = TypeVar("T", bound=Evictable)
 
 DEAD, ONCE, TWICE = 0, 1, 2
 LINEAGE_ADMIT = 2  # earlier requests on the path that admit a new leaf to T2
+_MIX = 0x9E3779B97F4A7C15  # spreads depths over the key's bits
 GHOST_FACTOR = 2  # each ghost list holds up to this many x capacity_blocks keys
 
 
@@ -48,7 +49,8 @@ class AdaptiveState:
         self.capacity = capacity_blocks
         self.p = 0.0  # target blocks in T1
         self.blocks = [0, 0, 0]  # blocks in evictable leaves per list (DEAD, ONCE, TWICE)
-        self.peak = 0  # most blocks the lists held at once
+        self.total = 0  # sum(self.blocks)
+        self.peak = 0  # most blocks the lists held at once (sizes the ghosts without capacity)
         self.ghosts: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict())
         self.ghost_hits = [0, 0]  # blocks re-inserted from B1 / B2
         self.lineage_admits = 0
@@ -66,10 +68,12 @@ class AdaptiveState:
 
     def remember(self, which: int, key: int) -> None:
         ghost = self.ghosts[which - 1]
-        ghost[key] = None
-        ghost.move_to_end(key)
-        if len(ghost) > GHOST_FACTOR * self.size():
-            ghost.popitem(last=False)
+        if key in ghost:
+            ghost.move_to_end(key)
+        else:
+            ghost[key] = None
+            if len(ghost) > GHOST_FACTOR * self.size():
+                ghost.popitem(last=False)
 
     def recall(self, key: int) -> int:
         """ONCE or TWICE if `key` is in B1 / B2 (and drop it there); DEAD (0) if in neither."""
@@ -114,10 +118,12 @@ class AdaptivePolicy(EvictionPolicy[T]):
         return ONCE
 
     def _key(self, item: T, first: int) -> int:
-        """Ghost key of the item's block `first` (0-based within its edge)."""
+        """Ghost key of the item's block `first` (0-based within its edge): its tokens' hash
+        mixed with its depth and the namespace salt in integer arithmetic (no tuple: nothing
+        for the garbage collector to track on the eviction path)."""
         bb = len(item.tokens) // len(item.block_ids)
         depth = item.depth - len(item.block_ids) + first
-        return hash((self._salt, depth, item.tokens[first * bb : (first + 1) * bb]))
+        return hash(item.tokens[first * bb : (first + 1) * bb]) ^ (depth * _MIX + self._salt)
 
     # -- the set ----------------------------------------------------------------------------
 
@@ -128,9 +134,9 @@ class AdaptivePolicy(EvictionPolicy[T]):
         self._count[which] += 1
         state = self.state
         state.blocks[which] += size
-        total = sum(state.blocks)
-        if total > state.peak:
-            state.peak = total
+        state.total += size
+        if state.total > state.peak:
+            state.peak = state.total
         heap = self._heaps[which]
         heapq.heappush(heap, entry)
         if len(heap) > 2 * self._count[which] + 1024:  # too many stale entries: rebuild
@@ -141,6 +147,7 @@ class AdaptivePolicy(EvictionPolicy[T]):
         entry = self._live.pop(node_id)
         self._count[entry[3]] -= 1
         self.state.blocks[entry[3]] -= entry[4]
+        self.state.total -= entry[4]
         return entry
 
     def add(self, item: T) -> None:
@@ -213,8 +220,9 @@ class AdaptivePolicy(EvictionPolicy[T]):
         which = self.list_of(item)
         if which == DEAD:
             return  # the client said so: nothing to learn from its return
+        remember, key = self.state.remember, self._key
         for i in range(len(item.block_ids) - 1, keep - 1, -1):  # tail first, as they go
-            self.state.remember(which, self._key(item, i))
+            remember(which, key(item, i))
 
     def ghost_size(self) -> int:
         return sum(len(g) for g in self.state.ghosts)
