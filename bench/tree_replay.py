@@ -12,6 +12,8 @@ Per request it follows radixkv.replay.simulate's contract (match, lock, evict wh
 unlock). After a warm-up replay it reports token hit rate (matched / prompt tokens), blocks
 evicted, requests/s and match / insert latency; then, in a separate pass under tracemalloc,
 the Python memory the tree uses per cached block (token bytes included, and shown apart).
+--against POLICY [--rounds N] also replays with POLICY, alternating the two N times in this
+process, and reports the median match / insert p50 of each and their ratio (policy / POLICY).
 --hints sends each request's retention hint derived from the trace (radixkv.replay.hints:
 client-supplied knowledge, it reads the future).
 --eviction-sizes measures evict() cost per block at several tree sizes, in steady state
@@ -198,6 +200,22 @@ def eviction_cost(args: argparse.Namespace, size: int) -> dict[str, float]:
     }
 
 
+def against(args: argparse.Namespace, hints: list[str | None] | None) -> dict[str, Any]:
+    """Median match / insert p50 of --policy and --against over --rounds alternating replays
+    (the order flips every round), and their ratios: load on a shared machine moves both."""
+    p50: dict[str, list[tuple[float, float]]] = {args.policy: [], args.against: []}
+    for i in range(args.rounds):
+        for policy in (args.policy, args.against)[:: 1 if i % 2 == 0 else -1]:
+            r = replay_tree(requests_of(args), args.block_size, args.capacity_blocks, policy,
+                            hints=hints if policy == args.policy else None)
+            p50[policy].append((r.match_us.p50, r.insert_us.p50))
+    mine, base = ([float(np.median([x[k] for x in p50[p]])) for k in (0, 1)]
+                  for p in (args.policy, args.against))
+    return {"policy": args.against, "rounds": args.rounds,
+            "match_p50_us": [mine[0], base[0]], "insert_p50_us": [mine[1], base[1]],
+            "match_p50_ratio": mine[0] / base[0], "insert_p50_ratio": mine[1] / base[1]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="synthetic", help="a trace file, or 'synthetic'")
@@ -208,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
     p.add_argument("--hints", action="store_true",
                    help="retention hints derived from the trace (client-supplied knowledge)")
+    p.add_argument("--against", choices=POLICIES, default=None,
+                   help="also time this policy, interleaved: p50 ratios policy / this")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each with --against (3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=200, help="requests replayed first, untimed")
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
@@ -267,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         "match_us": {"mean": r.match_us.mean, "p50": r.match_us.p50, "p99": r.match_us.p99},
         "insert_us": {"mean": r.insert_us.mean, "p50": r.insert_us.p50, "p99": r.insert_us.p99},
     }
+    if args.against:
+        out["against"] = against(args, hints)
     if not args.no_memory:
         out["memory"] = memory_per_block(args)
     if args.json:

@@ -3,7 +3,7 @@
     evict first ─▶ [ dead ]   leaves a client hinted `session_end` (and their single-child path)
                    [ T1   ]   leaves seen once: inserted, never matched since
                    [ T2   ]   leaves seen again (a hit), or admitted there (below), or `keep`
-    B1, B2: ghosts  hashes of blocks recently evicted from T1 / T2 (bounded, counted)
+    B1, B2: ghosts  runs of blocks recently evicted from T1 / T2, by hash (bounded, counted)
 
 Within a list, the least recently touched leaf goes first. Which list gives the victim follows
 ARC: T1 while its blocks exceed the target `p`, else T2 (the other one when that is empty). A
@@ -14,16 +14,21 @@ or repeats earlier requests that ended at >= 2 different nodes of its path (`lin
 by the tree): a conversation's third turn onward. (Counting nodes, not requests: many short
 requests that end at one shared system prompt are one ancestor, not a long conversation.)
 
-A block's ghost key is a hash of (namespace salt, depth, its tokens): computed once per evicted
-block and once per inserted leaf, never over a whole prefix. B1 and B2 hold at most
-2 x `capacity_blocks` keys each (the capacity defaults to the most blocks the lists ever held):
-a conversation's next turn often comes back later than one capacity's worth of evictions.
-`ghost_size()` counts them. The state (p, the list sizes, the ghosts) is shared by the
-policies of every namespace of one pool, so victims compare across trees: a key is
-(rank, tick) with rank 0 = dead, 1 = the list ARC takes from now, 2 = the other.
+A ghost entry is one run of blocks evicted together from a leaf's tail, keyed by a hash of
+(namespace salt, depth, its first 32 tokens) of its first block, with its length. A prefix
+comes back from its shallowest missing block, which is the first block of the run evicted last
+on its path, so a new leaf looks up its first block, then the block after each run it found:
+one hash per eviction step and per run that comes back, never one per block or over a whole
+prefix. B1 and B2 remember at most 2 x `capacity_blocks` blocks each (the capacity defaults to
+the most blocks the lists ever held): a conversation's next turn often comes back later than
+one capacity's worth of evictions. `ghost_size()` counts the blocks they remember.
 
-Costs: add / remove / touch / pop O(log n) amortized (one lazy-deletion heap per list), ghost
-insert and lookup O(1) per block.
+The state (p, the list sizes, the ghosts) is shared by the policies of every namespace of one
+pool, so victims compare across trees: a key is (rank, tick) with rank 0 = dead, 1 = the list
+ARC takes from now, 2 = the other.
+
+Costs: add / remove / touch / pop O(log n) amortized (one lazy-deletion heap per list); ghost
+insert O(1) per eviction step, lookup O(1) per run that comes back.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ T = TypeVar("T", bound=Evictable)
 DEAD, ONCE, TWICE = 0, 1, 2
 LINEAGE_ADMIT = 2  # earlier requests on the path that admit a new leaf to T2
 _MIX = 0x9E3779B97F4A7C15  # spreads depths over the key's bits
-GHOST_FACTOR = 2  # each ghost list holds up to this many x capacity_blocks keys
+KEY_BYTES = 128  # a ghost key hashes at most this many bytes of a block (32 tokens)
+GHOST_FACTOR = 2  # each ghost list remembers up to this many x capacity_blocks blocks
 
 
 class AdaptiveState:
@@ -51,7 +57,9 @@ class AdaptiveState:
         self.blocks = [0, 0, 0]  # blocks in evictable leaves per list (DEAD, ONCE, TWICE)
         self.total = 0  # sum(self.blocks)
         self.peak = 0  # most blocks the lists held at once (sizes the ghosts without capacity)
-        self.ghosts: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict())
+        # B1, B2: key of a run's first block -> the run's blocks, oldest first
+        self.ghosts: tuple[OrderedDict[int, int], ...] = (OrderedDict(), OrderedDict())
+        self.ghost_blocks = [0, 0]  # blocks B1 / B2 remember
         self.ghost_hits = [0, 0]  # blocks re-inserted from B1 / B2
         self.lineage_admits = 0
 
@@ -66,27 +74,28 @@ class AdaptiveState:
         """The list ARC evicts from now (ONCE or TWICE), ignoring which are empty."""
         return ONCE if self.blocks[ONCE] > self.p else TWICE
 
-    def remember(self, which: int, key: int) -> None:
-        ghost = self.ghosts[which - 1]
-        if key in ghost:
-            ghost.move_to_end(key)
-        else:
-            ghost[key] = None
-            if len(ghost) > GHOST_FACTOR * self.size():
-                ghost.popitem(last=False)
+    def remember(self, which: int, key: int, num_blocks: int) -> None:
+        """A run of `num_blocks` evicted from list `which`, keyed by its first block."""
+        ghost, i = self.ghosts[which - 1], which - 1
+        self.ghost_blocks[i] += num_blocks - ghost.pop(key, 0)  # a newer run from there wins
+        ghost[key] = num_blocks
+        limit = GHOST_FACTOR * self.size()
+        while self.ghost_blocks[i] > limit:
+            self.ghost_blocks[i] -= ghost.popitem(last=False)[1]
 
-    def recall(self, key: int) -> int:
-        """ONCE or TWICE if `key` is in B1 / B2 (and drop it there); DEAD (0) if in neither."""
+    def recall(self, key: int) -> tuple[int, int]:
+        """(ONCE or TWICE, the run's blocks) if a run starting at `key` is in B1 / B2 (and
+        drop it there); (DEAD, 0) if in neither."""
         for which in (ONCE, TWICE):
-            ghost = self.ghosts[which - 1]
-            if key in ghost:
-                del ghost[key]
-                return which
-        return DEAD
+            num_blocks = self.ghosts[which - 1].pop(key, 0)
+            if num_blocks:
+                self.ghost_blocks[which - 1] -= num_blocks
+                return which, num_blocks
+        return DEAD, 0
 
     def adapt(self, which: int, num_blocks: int) -> None:
         """ARC's adaptation for `num_blocks` ghost hits in B1 (which=ONCE) or B2."""
-        b1, b2 = len(self.ghosts[0]), len(self.ghosts[1])
+        b1, b2 = self.ghost_blocks
         self.ghost_hits[which - 1] += num_blocks
         if which == ONCE:
             self.p = min(float(self.size()), self.p + num_blocks * max(1.0, b2 / max(1, b1)))
@@ -118,12 +127,15 @@ class AdaptivePolicy(EvictionPolicy[T]):
         return ONCE
 
     def _key(self, item: T, first: int) -> int:
-        """Ghost key of the item's block `first` (0-based within its edge): its tokens' hash
-        mixed with its depth and the namespace salt in integer arithmetic (no tuple: nothing
-        for the garbage collector to track on the eviction path)."""
-        bb = len(item.tokens) // len(item.block_ids)
-        depth = item.depth - len(item.block_ids) + first
-        return hash(item.tokens[first * bb : (first + 1) * bb]) ^ (depth * _MIX + self._salt)
+        """Ghost key of the item's block `first` (0-based within its edge): the hash of its
+        first KEY_BYTES of tokens (a key costs the same at any block size; blocks that share
+        them at one depth share a key, which costs at most a wrong promotion) mixed with its
+        depth and the namespace salt in integer arithmetic (no tuple to allocate)."""
+        num_blocks = len(item.block_ids)
+        bb = len(item.tokens) // num_blocks
+        start, depth = first * bb, item.depth - num_blocks + first
+        end = start + (bb if bb < KEY_BYTES else KEY_BYTES)
+        return hash(item.tokens[start:end]) ^ (depth * _MIX + self._salt)
 
     # -- the set ----------------------------------------------------------------------------
 
@@ -204,13 +216,15 @@ class AdaptivePolicy(EvictionPolicy[T]):
     # -- learning ---------------------------------------------------------------------------
 
     def admit(self, item: T, lineage: int) -> None:
-        state = self.state
-        which = state.recall(self._key(item, 0))
+        state, num_blocks = self.state, len(item.block_ids)
+        which, hits = state.recall(self._key(item, 0))
         if which:
-            hits = 1  # the blocks after the first that come back from the same ghost
-            while hits < len(item.block_ids) and state.recall(self._key(item, hits)) == which:
-                hits += 1
-            state.adapt(which, hits)
+            while hits < num_blocks:  # runs evicted before it, deeper on the same path
+                more, run = state.recall(self._key(item, hits))
+                if more != which:
+                    break
+                hits += run
+            state.adapt(which, min(hits, num_blocks))
             item.promoted = True
         elif lineage >= LINEAGE_ADMIT:
             state.lineage_admits += 1
@@ -220,9 +234,7 @@ class AdaptivePolicy(EvictionPolicy[T]):
         which = self.list_of(item)
         if which == DEAD:
             return  # the client said so: nothing to learn from its return
-        remember, key = self.state.remember, self._key
-        for i in range(len(item.block_ids) - 1, keep - 1, -1):  # tail first, as they go
-            remember(which, key(item, i))
+        self.state.remember(which, self._key(item, keep), len(item.block_ids) - keep)
 
     def ghost_size(self) -> int:
-        return sum(len(g) for g in self.state.ghosts)
+        return sum(self.state.ghost_blocks)

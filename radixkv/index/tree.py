@@ -377,7 +377,8 @@ class RadixTree:
             self._policy.touch(deepest)
         if deepest is not self._root:
             deepest.ends += 1
-            self._give_hint(deepest, code)
+            if code:
+                self._give_hint(deepest, code)
         return InsertResult(tuple(new), tuple(duplicates), m * self._block_size)
 
     def hint(self, handle: object, hint: str | int | None) -> None:
