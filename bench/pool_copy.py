@@ -12,6 +12,11 @@ an engine's copy of KV it has not touched lately does; random 16 KiB rows then c
 scatter alike ~20 % against a sequential floor at 64 KiB blocks (DRAM locality), and nothing
 from 256 KiB up.
 
+Quantized pools (`--kv-dtypes int8,int4`, default both): rows with `kv_dtype` int8 / int4 time
+`pool.read` (gather + dequantize into fp16 K/V) and `pool.write` (quantize + scatter) of the same
+blocks, in model-dtype (fp16) bytes per second, and their ratios to the plain fp16 gather and
+scatter of the same run (`gather_vs_plain`, `scatter_vs_plain`).
+
     .venv/bin/python bench/pool_copy.py --device cpu --blocks 256 --repeat 15
 """
 
@@ -98,6 +103,7 @@ def bench_size(
         assert torch.equal(k2.view(torch.uint8), k.view(torch.uint8))
     gbs = {name: nbytes / t / 1e9 for name, t in best.items()}
     return {
+        "kv_dtype": layout.dtype,
         "block_bytes": bpb,
         "block_size": block_size,
         "blocks": n,
@@ -105,6 +111,44 @@ def bench_size(
         **{f"{name}_gbs": round(x, 2) for name, x in gbs.items()},
         "gather_ratio": round(best["floor_in"] / best["gather"], 3),
         "scatter_ratio": round(best["floor_out"] / best["scatter"], 3),
+        "gather_s": best["gather"],
+        "scatter_s": best["scatter"],
+    }
+
+
+def bench_quantized(device: str, kv_dtype: str, plain: dict[str, Any], repeat: int,
+                    rng: random.Random, flush: Callable[[], object]) -> dict[str, Any]:
+    """pool.read / pool.write of `plain`'s blocks stored as `kv_dtype`, against `plain`."""
+    model = make_layout(plain["block_size"])
+    layout = model.with_dtype(kv_dtype, sink_tokens=0)
+    n = plain["blocks"]
+    backend = "cuda" if device == "cuda" else "host"
+    with create_pool(layout, num_blocks=2 * n, backend=backend, name_prefix="rkvbench") as pool:
+        ids = rng.sample(range(2 * n), n)
+        shape = (model.num_layers, n * model.block_size, model.num_kv_heads, model.head_dim)
+        k = torch.randn(shape, dtype=torch.float16, device=pool.view().device)
+        v = torch.randn_like(k)
+        ops: dict[str, Callable[[], object]] = {
+            "gather": lambda: pool.read(ids), "scatter": lambda: pool.write(ids, k, v)}
+        timed = timer(device)
+        for fn in ops.values():
+            fn()
+        best = {name: float("inf") for name in ops}
+        for _ in range(repeat):
+            for name, fn in ops.items():
+                flush()
+                best[name] = min(best[name], timed(fn))
+    nbytes = plain["bytes"]  # the same K/V in the model dtype
+    return {
+        "kv_dtype": kv_dtype,
+        "block_bytes": layout.bytes_per_block,
+        "block_size": model.block_size,
+        "blocks": n,
+        "bytes": nbytes,
+        "gather_gbs": round(nbytes / best["gather"] / 1e9, 3),
+        "scatter_gbs": round(nbytes / best["scatter"] / 1e9, 3),
+        "gather_vs_plain": round(plain["gather_s"] / best["gather"], 3),
+        "scatter_vs_plain": round(plain["scatter_s"] / best["scatter"], 3),
     }
 
 
@@ -121,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--cold", action="store_true",
                         help="flush caches before every timed copy (write a 256 MiB buffer)")
+    parser.add_argument("--kv-dtypes", default="int8,int4",
+                        help="quantized formats to time beside the plain copy ('' for none)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     if args.threads:
@@ -137,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             for bs in BLOCK_SIZES]
     big = [r for r in rows if r["block_bytes"] >= 64 << 10]
     worst = min(min(r["gather_ratio"], r["scatter_ratio"]) for r in big)
+    quantized = [bench_quantized(args.device, kv, plain, args.repeat, rng, flush)
+                 for plain in rows for kv in filter(None, args.kv_dtypes.split(","))]
+    for r in rows:
+        del r["gather_s"], r["scatter_s"]
     result = {
         "device": args.device,
         "threads": torch.get_num_threads(),
@@ -144,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "seed": args.seed,
         "caches": "flushed" if args.cold else "warm",
-        "rows": rows,
+        "rows": rows + quantized,
         "worst_ratio_ge_64k": worst,
+        "worst_quantized_vs_plain": min(
+            (min(r["gather_vs_plain"], r["scatter_vs_plain"]) for r in quantized), default=None),
     }
     if args.json:
         print(json.dumps(result))
@@ -160,6 +212,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['scatter_ratio']:6.2f}")
     print(f"pool_copy: worst gather/scatter ratio to the copy floor for blocks >= 64 KiB: "
           f"{worst:.2f} (goal 0.80)")
+    if quantized:
+        print("\nquantized (model-dtype fp16 bytes/s), against the plain fp16 copy above")
+        print(f"{'format':>7} {'block':>8} {'gather':>9} {'vs plain':>8} {'scatter':>9} "
+              f"{'vs plain':>8}   (GB/s)")
+        for r in quantized:
+            print(f"{r['kv_dtype']:>7} {fmt_size(r['bytes'] // r['blocks']):>8} "
+                  f"{r['gather_gbs']:9.3f} {r['gather_vs_plain']:8.3f} {r['scatter_gbs']:9.3f} "
+                  f"{r['scatter_vs_plain']:8.3f}")
+        print(f"pool_copy: worst quantized ratio to the plain copy: "
+              f"{result['worst_quantized_vs_plain']:.2f} (goal 0.30)")
     return 0
 
 

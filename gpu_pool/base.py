@@ -30,7 +30,7 @@ import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -73,6 +73,34 @@ def slab_strides(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
         strides.append(step)
         step *= dim
     return tuple(reversed(strides))
+
+
+def slab_bytes(layout: KVLayout, num_blocks: int, num_sink_blocks: int = 0) -> int:
+    """Bytes the blocks use: regular blocks first, then the sink region (quantized layouts with
+    sink tokens: each of its blocks also carries a sequence's first tokens in the model dtype)."""
+    return ((num_blocks - num_sink_blocks) * layout.bytes_per_block
+            + num_sink_blocks * layout.sink_bytes_per_block)
+
+
+def sink_blocks_for(layout: KVLayout, num_blocks: int, sink_fraction: float) -> int:
+    """The sink region's share of `num_blocks` (at least 1 when the layout has sink tokens)."""
+    if not layout.sink_tokens:
+        return 0
+    if not 0 < sink_fraction <= 1:
+        raise InvalidArgument(f"sink fraction must be in (0, 1], got {sink_fraction}")
+    return max(1, min(num_blocks, round(num_blocks * sink_fraction)))
+
+
+def fit_blocks(layout: KVLayout, memory_bytes: int, sink_fraction: float = 0.125) -> int:
+    """The most blocks (sink region included) whose slab fits in `memory_bytes`."""
+    n = num_blocks_for(layout, memory_bytes)
+    if layout.sink_tokens:  # sink blocks are larger: solve, then step down to fit
+        avg = layout.bytes_per_block + sink_fraction * layout.sink_bytes
+        n = max(1, int(memory_bytes // avg))
+        while n > 1 and slab_bytes(layout, n, sink_blocks_for(layout, n, sink_fraction)) \
+                > memory_bytes:
+            n -= 1
+    return n
 
 
 def num_blocks_for(layout: KVLayout, memory_bytes: int) -> int:
@@ -132,6 +160,7 @@ class PoolHandle:
     device_id: int = -1
     device_uuid: str = ""
     owner_pid: int = 0
+    num_sink_blocks: int = 0  # the last ids; see BlockPool
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -140,11 +169,15 @@ class PoolHandle:
             raise InvalidArgument(f"layout must be a KVLayout, got {type(self.layout).__name__}")
         if self.num_blocks < 1:
             raise InvalidArgument(f"num_blocks must be >= 1, got {self.num_blocks}")
-        need = self.num_blocks * self.layout.bytes_per_block
+        if not 0 <= self.num_sink_blocks <= self.num_blocks:
+            raise InvalidArgument(f"num_sink_blocks {self.num_sink_blocks} is not within "
+                                  f"0..{self.num_blocks}")
+        if self.num_sink_blocks and not self.layout.sink_tokens:
+            raise InvalidArgument("sink blocks need a layout with sink tokens")
+        need = slab_bytes(self.layout, self.num_blocks, self.num_sink_blocks)
         if self.nbytes < need:
             raise InvalidArgument(
-                f"nbytes {self.nbytes} is less than {self.num_blocks} blocks x "
-                f"{self.layout.bytes_per_block} bytes = {need}"
+                f"nbytes {self.nbytes} is less than the {self.num_blocks} blocks' {need} bytes"
             )
         if not self.epoch:
             raise InvalidArgument("epoch must not be empty")
@@ -157,15 +190,15 @@ class PoolHandle:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Shape of the pool's `view()` (see `slab_shape`)."""
-        return slab_shape(self.layout, self.num_blocks)
+        """Shape of the pool's `view()` (see `slab_shape`; the sink region is apart)."""
+        return slab_shape(self.layout, self.num_blocks - self.num_sink_blocks)
 
     @property
     def strides(self) -> tuple[int, ...]:
         """Byte strides of the pool's `view()`: of the 6-d
         [num_blocks, layers, 2, block_size, kv_heads, head_dim] view, or of the 2-d byte view
         [num_blocks, bytes_per_block] for quantized layouts."""
-        return slab_strides(self.layout, self.num_blocks)
+        return slab_strides(self.layout, self.num_blocks - self.num_sink_blocks)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: the layout as a dict, the IPC handle as base64 text."""
@@ -180,6 +213,7 @@ class PoolHandle:
             "device_id": self.device_id,
             "device_uuid": self.device_uuid,
             "owner_pid": self.owner_pid,
+            "num_sink_blocks": self.num_sink_blocks,
         }
 
     @classmethod
@@ -204,6 +238,7 @@ class PoolHandle:
             device_id=_index(data.get("device_id", -1), "device_id"),
             device_uuid=str(data.get("device_uuid", "")),
             owner_pid=_index(data.get("owner_pid", 0), "owner_pid"),
+            num_sink_blocks=_index(data.get("num_sink_blocks", 0), "num_sink_blocks"),
         )
 
 
@@ -212,8 +247,13 @@ class _Slab(ABC):
 
     layout: KVLayout
     num_blocks: int
+    num_sink_blocks: int
     backend: str
     _closed: bool
+
+    @property
+    def num_regular_blocks(self) -> int:
+        return self.num_blocks - self.num_sink_blocks
 
     @abstractmethod
     def _torch_bytes(self) -> torch.Tensor:
@@ -240,29 +280,67 @@ class _Slab(ABC):
         import torch
 
         self._check_open()
-        used = self._torch_bytes()[: self.num_blocks * self.layout.bytes_per_block]
+        n = self.num_regular_blocks
+        used = self._torch_bytes()[: n * self.layout.bytes_per_block]
         if self.layout.is_quantized:
-            return used.view(self.num_blocks, self.layout.bytes_per_block)
+            return used.view(n, self.layout.bytes_per_block)
         dtype = getattr(torch, TORCH_DTYPES[self.layout.dtype])
-        return used.view(dtype).view(slab_shape(self.layout, self.num_blocks))
+        return used.view(dtype).view(slab_shape(self.layout, n))
+
+    def sink_view(self) -> torch.Tensor:
+        """The sink region as uint8 [num_sink_blocks, sink_bytes_per_block]: block id
+        num_regular_blocks + i is row i (gpu_pool.quant reads both regions)."""
+        self._check_open()
+        start = self.num_regular_blocks * self.layout.bytes_per_block
+        end = slab_bytes(self.layout, self.num_blocks, self.num_sink_blocks)
+        return self._torch_bytes()[start:end].view(self.num_sink_blocks,
+                                                   self.layout.sink_bytes_per_block)
 
     def numpy_view(self) -> np.ndarray[Any, Any]:
         """The whole slab as a numpy array, zero-copy (host pools only): same shape as `view()`;
         float32/float16 for fp32/fp16, raw bits for the rest (uint16 for bf16, uint8 for fp8,
         uint8 [num_blocks, bytes_per_block] for int8/int4)."""
         self._check_open()
-        used = self._numpy_bytes()[: self.num_blocks * self.layout.bytes_per_block]
+        n = self.num_regular_blocks
+        used = self._numpy_bytes()[: n * self.layout.bytes_per_block]
         if self.layout.is_quantized:
-            return used.reshape(self.num_blocks, self.layout.bytes_per_block)
-        return used.view(NUMPY_DTYPES[self.layout.dtype]).reshape(
-            slab_shape(self.layout, self.num_blocks)
-        )
+            return used.reshape(n, self.layout.bytes_per_block)
+        return used.view(NUMPY_DTYPES[self.layout.dtype]).reshape(slab_shape(self.layout, n))
+
+    def read(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks `block_ids` as engine-layout (k, v), each [layers, tokens, kv_heads, head_dim]
+        in the model dtype: a copy (`gpu_pool.copy.gather`), dequantized for int8/int4 pools
+        (`gpu_pool.quant.gather`)."""
+        if self.layout.is_quantized:
+            from gpu_pool import quant
+
+            return quant.gather(self.layout, self.view(), self.sink_view(), block_ids)
+        from gpu_pool.copy import gather
+
+        return gather(self.view(), block_ids)
+
+    def write(self, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write engine-layout k, v ([layers, tokens, kv_heads, head_dim], any float dtype,
+        converted) into the distinct blocks `block_ids`, quantizing for int8/int4 pools (NaN or
+        Inf refused). On cuda the copy is queued: synchronize before publishing the blocks."""
+        view = self.view()
+        if self.layout.is_quantized:
+            from gpu_pool import quant
+
+            quant.scatter(self.layout, view, self.sink_view(), block_ids, k, v)
+            return
+        from gpu_pool.copy import scatter
+
+        scatter(view, block_ids, k.to(view.device, view.dtype), v.to(view.device, view.dtype))
 
     def block(self, block_id: int) -> torch.Tensor:
-        """One block of `view()`: [layers, 2, block_size, kv_heads, head_dim] (or its bytes)."""
+        """One block of `view()`: [layers, 2, block_size, kv_heads, head_dim] (or its bytes;
+        a sink block's row of `sink_view()`)."""
         i = _index(block_id, "block id")
         if not 0 <= i < self.num_blocks:
             raise InvalidArgument(f"block id {i} out of range 0..{self.num_blocks - 1}")
+        if i >= self.num_regular_blocks:
+            return self.sink_view()[i - self.num_regular_blocks]
         return self.view()[i]
 
     @abstractmethod
@@ -281,37 +359,60 @@ class _Slab(ABC):
 
 
 class BlockPool(_Slab):
-    """The owner's side: the slab plus its free list. Not picklable; share `export()`.
+    """The owner's side: the slab plus its free lists. Not picklable; share `export()`.
 
     Free-list order is FIFO: `alloc` hands out the blocks freed longest ago (initially 0, 1, 2,
     ... in order), so a just-freed block is reused last. `alloc`/`free` are atomic (a lock) and
-    change nothing when they raise."""
+    change nothing when they raise.
+
+    The last `num_sink_blocks` ids are the sink region (quantized layouts with sink tokens): a
+    sink block can hold any block, a regular one cannot hold a sequence's first block. `alloc(n,
+    sinks=s)` takes s sink blocks first, then regular ones, falling back to sink blocks."""
 
     backend: str = ""
 
-    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, num_sink_blocks: int = 0) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
         num_blocks = _index(num_blocks, "num_blocks")
         if num_blocks < 1:
             raise InvalidArgument(f"num_blocks must be >= 1, got {num_blocks}")
+        num_sink_blocks = _index(num_sink_blocks, "num_sink_blocks")
+        if not 0 <= num_sink_blocks <= num_blocks:
+            raise InvalidArgument(f"num_sink_blocks {num_sink_blocks} is not within "
+                                  f"0..{num_blocks}")
+        if layout.sink_tokens and not num_sink_blocks:
+            raise InvalidArgument(f"a layout with {layout.sink_tokens} sink tokens needs a sink "
+                                  "region (num_sink_blocks >= 1)")
+        if num_sink_blocks and not layout.sink_tokens:
+            raise InvalidArgument("sink blocks need a layout with sink tokens")
         self.layout = layout
         self.num_blocks = num_blocks
+        self.num_sink_blocks = num_sink_blocks
         self.epoch = uuid.uuid4().hex
         self._closed = False
         self._lock = threading.Lock()
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks - num_sink_blocks))
+        self._free_sink: deque[int] = deque(range(num_blocks - num_sink_blocks, num_blocks))
         self._is_free = bytearray(b"\x01") * num_blocks
 
     # --- free list -------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_sink)
+
+    @property
+    def num_free_sink(self) -> int:
+        return len(self._free_sink)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def slab_bytes(self) -> int:
+        return slab_bytes(self.layout, self.num_blocks, self.num_sink_blocks)
 
     def is_free(self, block_id: int) -> bool:
         i = _index(block_id, "block id")
@@ -319,21 +420,40 @@ class BlockPool(_Slab):
             raise InvalidArgument(f"block id {i} out of range 0..{self.num_blocks - 1}")
         return bool(self._is_free[i])
 
-    def alloc(self, n: int) -> list[int]:
-        """Take `n` >= 1 free blocks (oldest-freed first). OutOfBlocks when fewer are free."""
+    def alloc(self, n: int, sinks: int = 0) -> list[int]:
+        """Take `n` >= 1 free blocks (oldest-freed first), the first `sinks` of them from the
+        sink region. OutOfBlocks when fewer are free."""
         n = _index(n, "n")
+        sinks = _index(sinks, "sinks")
         if n <= 0:
             raise InvalidArgument(f"alloc needs n >= 1, got {n}")
+        if not 0 <= sinks <= n:
+            raise InvalidArgument(f"sinks must be within 0..{n}, got {sinks}")
+        if sinks and not self.num_sink_blocks:
+            sinks = 0  # no sink tokens: every block can start a sequence
         with self._lock:
             self._check_open()
-            if n > len(self._free):
-                raise OutOfBlocks(
-                    f"asked {n} blocks, {len(self._free)} free of {self.num_blocks}"
-                )
-            ids = [self._free.popleft() for _ in range(n)]
+            if sinks > len(self._free_sink):
+                raise OutOfBlocks(f"asked {sinks} sink blocks (a sequence's first block), "
+                                  f"{len(self._free_sink)} free of {self.num_sink_blocks}")
+            if n > self.num_free:
+                raise OutOfBlocks(f"asked {n} blocks, {self.num_free} free of {self.num_blocks}")
+            ids = [self._free_sink.popleft() for _ in range(sinks)]
+            regular = min(n - sinks, len(self._free))
+            ids += [self._free.popleft() for _ in range(regular)]
+            ids += [self._free_sink.popleft() for _ in range(n - sinks - regular)]
             for i in ids:
                 self._is_free[i] = 0
             return ids
+
+    def is_sink(self, block_id: int) -> bool:
+        return block_id >= self.num_blocks - self.num_sink_blocks
+
+    def _release(self, ids: list[int]) -> None:
+        first_sink = self.num_blocks - self.num_sink_blocks
+        for i in ids:
+            self._is_free[i] = 1
+            (self._free_sink if i >= first_sink else self._free).append(i)
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Return allocated blocks to the tail of the free list. Ids out of range, already
@@ -346,6 +466,9 @@ class BlockPool(_Slab):
             is_free = self._is_free
             if (ids and len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < self.num_blocks
                     and not any(map(is_free.__getitem__, ids))):  # the common case, in C
+                if self.num_sink_blocks:
+                    self._release(ids)
+                    return
                 for i in ids:
                     is_free[i] = 1
                 self._free.extend(ids)
@@ -364,15 +487,17 @@ class BlockPool(_Slab):
                 if i in seen:
                     raise InvalidArgument(f"cannot free {len(ids)} blocks: block {i} given twice")
                 seen.add(i)
-            for i in ids:
-                self._is_free[i] = 1
-            self._free.extend(ids)
+            self._release(ids)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless: the free list holds distinct in-range ids, exactly those
         marked free, so allocated == num_blocks - num_free."""
         with self._lock:
-            free = list(self._free)
+            free = list(self._free) + list(self._free_sink)
+            first_sink = self.num_blocks - self.num_sink_blocks
+            if any(i >= first_sink for i in self._free) or any(
+                    i < first_sink for i in self._free_sink):
+                raise IntegrityError("a block id is on the other region's free list")
             marked = sum(self._is_free)
             distinct = set(free)
             if len(distinct) != len(free):
@@ -412,6 +537,7 @@ class PoolMapping(_Slab):
         self.handle = handle
         self.layout = handle.layout
         self.num_blocks = handle.num_blocks
+        self.num_sink_blocks = handle.num_sink_blocks
         self.backend = handle.backend
         self.epoch = handle.epoch
         self._closed = False
@@ -431,21 +557,28 @@ def create_pool(
     backend: str = "host",
     device: int = 0,
     name_prefix: str = "radixkv",
+    sink_fraction: float = 0.125,
 ) -> BlockPool:
     """Create the owner's pool: give exactly one of `num_blocks` or `memory_bytes`.
-    `device` is used by the cuda backend, `name_prefix` by the host backend."""
+    `device` is used by the cuda backend, `name_prefix` by the host backend. For layouts with
+    sink tokens, `sink_fraction` of the blocks are sink blocks (`memory_bytes` then buys fewer
+    blocks: a sink block is larger)."""
     if (num_blocks is None) == (memory_bytes is None):
         raise InvalidArgument("give exactly one of num_blocks or memory_bytes")
-    n = num_blocks_for(layout, memory_bytes) if memory_bytes is not None else num_blocks
-    assert n is not None
+    if memory_bytes is not None:
+        n = fit_blocks(layout, memory_bytes, sink_fraction)
+    else:
+        assert num_blocks is not None
+        n = num_blocks
+    sinks = sink_blocks_for(layout, n, sink_fraction)
     if backend == "host":
         from gpu_pool.host import HostBlockPool
 
-        return HostBlockPool(layout, n, name_prefix=name_prefix)
+        return HostBlockPool(layout, n, name_prefix=name_prefix, num_sink_blocks=sinks)
     if backend == "cuda":
         from gpu_pool.cuda import CudaBlockPool
 
-        return CudaBlockPool(layout, n, device=device)
+        return CudaBlockPool(layout, n, device=device, num_sink_blocks=sinks)
     raise InvalidArgument(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
 
 

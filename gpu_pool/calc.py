@@ -13,10 +13,12 @@ QUANT_SCHEMES = {
     "bf16": "-",
     "fp8": "per-tensor",
     "int8": "per token+head",
-    "int4": "group 64, 4 sinks",
+    "int4": "K/channel, V/token",
 }
-CAPTION = ("scales are fp16, K and V apart. int8: one per token per kv_head. int4: one per "
-           "64-element group; the first 4 tokens (attention sinks) stay bf16.")
+CAPTION = ("scales are fp16 and live in each block. int8: symmetric, one scale per token per "
+           "kv_head. int4: asymmetric (scale + minimum), keys per channel over a block's tokens, "
+           "values per token per kv_head. A context's first 4 tokens (attention sinks) stay in "
+           "the model dtype (gpu_pool/quant.py).")
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,14 +136,15 @@ class CudaBlockPool(BlockPool):
 
     backend = "cuda"
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: int = 0) -> None:
-        super().__init__(layout, num_blocks)
+    def __init__(self, layout: KVLayout, num_blocks: int, device: int = 0,
+                 num_sink_blocks: int = 0) -> None:
+        super().__init__(layout, num_blocks, num_sink_blocks)
         cupy = _cupy()
         count = cupy.cuda.runtime.getDeviceCount()
         if not isinstance(device, int) or not 0 <= device < count:
             raise InvalidArgument(f"device {device!r} out of range: {count} CUDA devices visible")
         self.device_id = device
-        self.nbytes = -(-self.num_blocks * layout.bytes_per_block // SLAB_ALIGN) * SLAB_ALIGN
+        self.nbytes = -(-self.slab_bytes // SLAB_ALIGN) * SLAB_ALIGN
         runtime = cupy.cuda.runtime
         with cupy.cuda.Device(device):
             try:
@@ -185,6 +186,7 @@ class CudaBlockPool(BlockPool):
             device_id=self.device_id,
             device_uuid=self.device_uuid,
             owner_pid=self.owner_pid,
+            num_sink_blocks=self.num_sink_blocks,
         )
 
     def close(self) -> None:

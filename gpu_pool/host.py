@@ -240,8 +240,9 @@ class HostBlockPool(_MappedBytes, BlockPool):
         reserve: bool = True,
         mode: int = 0o600,
         shm_dir: str = SHM_DIR,
+        num_sink_blocks: int = 0,
     ) -> None:
-        super().__init__(layout, num_blocks)
+        super().__init__(layout, num_blocks, num_sink_blocks)
         if not isinstance(name_prefix, str) or not _PREFIX_RE.fullmatch(name_prefix):
             raise InvalidArgument(
                 f"name_prefix {name_prefix!r} must be letters, digits, '_', '.', "
@@ -250,7 +251,7 @@ class HostBlockPool(_MappedBytes, BlockPool):
         if not os.path.isdir(shm_dir):
             raise Unavailable(f"{shm_dir} does not exist: the host pool needs POSIX shared memory")
         reclaim_stale_segments(name_prefix, shm_dir)
-        self.nbytes = _round_up(self.num_blocks * layout.bytes_per_block, PAGE)
+        self.nbytes = _round_up(self.slab_bytes, PAGE)
         free = shm_free_bytes(shm_dir)
         if free < self.nbytes:
             raise OutOfBlocks(self._too_small(free, shm_dir))
@@ -301,6 +302,7 @@ class HostBlockPool(_MappedBytes, BlockPool):
             layout=self.layout,
             epoch=self.epoch,
             owner_pid=self.owner_pid,
+            num_sink_blocks=self.num_sink_blocks,
         )
 
     def close(self) -> None:

@@ -3,10 +3,13 @@
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
 LLaMA-3-70B (80 layers, 8 KV heads, head_dim 128, bf16): 2 x 80 x 8 x 128 x 2 = 327,680 B/token.
 
-Quantized dtypes also store scales, and the calculator counts them:
-  int8  one fp16 scale per (token, kv_head) for K and for V   (x_q = round(x / max|x| * 127))
-  int4  one fp16 scale per group of `INT4_GROUP` elements, K and V apart; the first
-        `SINK_TOKENS` tokens of a context ("attention sinks") stay at full precision.
+Quantized dtypes (int8, int4) also store fp16 scales inside each block, and the byte math counts
+them segment by segment (`KVLayout.segments`; the codec is gpu_pool/quant.py):
+  int8  symmetric, one scale per (token, kv_head, group of `group_size` elements; 0: the head)
+  int4  asymmetric (scale + minimum), two values a byte; keys per channel over the block's tokens
+        (`key_scales="channel"`, KIVI) or per token groups ("token"); values per token groups.
+`sink_tokens`: the first tokens of every sequence ("attention sinks") stay in `model_dtype`; they
+live in sink blocks, a region of the pool whose blocks carry them after the quantized part.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from gpu_pool.errors import InvalidArgument
 
 DTYPE_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 QUANTIZED = ("int8", "int4")
+MODEL_DTYPES = ("fp32", "fp16", "bf16")
+KEY_SCALES = ("channel", "token")
 SCALE_BYTES = 2  # fp16 scales
-INT4_GROUP = 64
-SINK_TOKENS = 4
+SINK_TOKENS = 4  # the serve default for quantized pools
 
 # Hugging Face `torch_dtype` / `dtype` strings -> our names.
 _HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -39,6 +43,11 @@ class KVLayout:
     head_dim: int
     dtype: str = "bf16"
     block_size: int = 16
+    # quantized layouts only: the engine's dtype (sinks, dequantized K/V), scale grouping, sinks
+    model_dtype: str = "bf16"
+    group_size: int = 0
+    key_scales: str = "channel"
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -51,6 +60,26 @@ class KVLayout:
             )
         if self.dtype == "int4" and self.head_dim % 2:
             raise InvalidArgument(f"int4 packs two values a byte: head_dim {self.head_dim} is odd")
+        if self.model_dtype not in MODEL_DTYPES:
+            raise InvalidArgument(f"KVLayout.model_dtype {self.model_dtype!r} is not one of "
+                                  f"{', '.join(MODEL_DTYPES)}")
+        if self.key_scales not in KEY_SCALES:
+            raise InvalidArgument(f"KVLayout.key_scales {self.key_scales!r} is not one of "
+                                  f"{', '.join(KEY_SCALES)}")
+        for name in ("group_size", "sink_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"KVLayout.{name} must be an integer >= 0, got {value!r}")
+        if self.group_size and self.head_dim % self.group_size:
+            raise InvalidArgument(f"group size {self.group_size} does not divide head_dim "
+                                  f"{self.head_dim}")
+        if self.sink_tokens and not self.is_quantized:
+            raise InvalidArgument(f"sink tokens keep the first tokens of a quantized cache in "
+                                  f"the model dtype; dtype {self.dtype} is not quantized")
+        if self.sink_tokens >= self.block_size:
+            raise InvalidArgument(f"sink tokens ({self.sink_tokens}) must be fewer than the "
+                                  f"block size ({self.block_size}): they are the start of a "
+                                  f"sequence's first block")
 
     @property
     def elements_per_token(self) -> int:
@@ -62,23 +91,50 @@ class KVLayout:
         return self.elements_per_token * DTYPE_BITS[self.dtype] // 8
 
     @property
-    def scale_bytes_per_token(self) -> int:
-        """Bytes of quantization scales per token (0 for fp32/fp16/bf16/fp8)."""
-        heads = 2 * self.num_layers * self.num_kv_heads
-        if self.dtype == "int8":
-            return heads * SCALE_BYTES
-        if self.dtype == "int4":
-            return heads * math.ceil(self.head_dim / INT4_GROUP) * SCALE_BYTES
-        return 0
+    def group(self) -> int:
+        """Elements per scale along head_dim (quantized layouts)."""
+        return self.group_size or self.head_dim
 
-    @property
-    def bytes_per_token(self) -> int:
-        """What one cached token costs: values plus their scales."""
-        return self.data_bytes_per_token + self.scale_bytes_per_token
+    def segments(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """A quantized block's parts in byte order: (name, shape, bytes per element)."""
+        L, B, H, D = self.num_layers, self.block_size, self.num_kv_heads, self.head_dim
+        token_scales = (L, B, H, D // self.group)
+        if self.dtype == "int8":
+            return [("data", (L, 2, B, H, D), 1), ("k_scale", token_scales, SCALE_BYTES),
+                    ("v_scale", token_scales, SCALE_BYTES)]
+        if self.dtype != "int4":
+            return [("data", self.block_shape, DTYPE_BITS[self.dtype] // 8)]
+        keys = (L, H, D) if self.key_scales == "channel" else token_scales
+        return [("data", (L, 2, B, H, D // 2), 1),
+                ("k_scale", keys, SCALE_BYTES), ("k_zero", keys, SCALE_BYTES),
+                ("v_scale", token_scales, SCALE_BYTES), ("v_zero", token_scales, SCALE_BYTES)]
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        """Values plus their scales, for `block_size` tokens."""
+        return sum(itemsize * math.prod(shape) for _, shape, itemsize in self.segments())
+
+    @property
+    def sink_bytes(self) -> int:
+        """The first `sink_tokens` tokens of a sequence in the model dtype."""
+        return (self.sink_tokens * 2 * self.num_layers * self.num_kv_heads * self.head_dim
+                * DTYPE_BITS[self.model_dtype] // 8)
+
+    @property
+    def sink_bytes_per_block(self) -> int:
+        """A sink block: a quantized block followed by its sink tokens at full precision."""
+        return self.bytes_per_block + self.sink_bytes
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """Bytes of quantization scales per token, rounded up (0 for fp32/fp16/bf16/fp8)."""
+        return self.bytes_per_token - self.data_bytes_per_token
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What one cached token costs, values plus scales (rounded up to a byte when the
+        scales are per block)."""
+        return -(-self.bytes_per_block // self.block_size)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -90,15 +146,13 @@ class KVLayout:
         return self.dtype in QUANTIZED
 
     def context_bytes(self, num_tokens: int) -> int:
-        """KV bytes for one context of `num_tokens` tokens. For int4, the first SINK_TOKENS
-        tokens are kept at bf16 (the attention-sink exception)."""
+        """KV bytes for one context of `num_tokens` tokens, sink tokens included."""
         if num_tokens < 0:
             raise InvalidArgument(f"num_tokens must be >= 0, got {num_tokens}")
-        if self.dtype != "int4":
+        if not self.is_quantized:
             return num_tokens * self.bytes_per_token
-        sinks = min(num_tokens, SINK_TOKENS)
-        full = replace(self, dtype="bf16").bytes_per_token
-        return sinks * full + (num_tokens - sinks) * self.bytes_per_token
+        sinks = self.sink_bytes if num_tokens else 0
+        return -(-num_tokens * self.bytes_per_block // self.block_size) + sinks
 
     def tokens_in(self, memory_bytes: int) -> int:
         """How many tokens (whole blocks) fit in `memory_bytes` of pool."""
@@ -107,15 +161,26 @@ class KVLayout:
     def blocks_in(self, memory_bytes: int) -> int:
         return memory_bytes // self.bytes_per_block
 
-    def with_dtype(self, dtype: str) -> KVLayout:
-        return replace(self, dtype=dtype)
+    def with_dtype(self, dtype: str, sink_tokens: int | None = None) -> KVLayout:
+        """This geometry stored as `dtype`. Quantizing a full-precision layout makes its dtype
+        the model dtype (and gives it SINK_TOKENS sinks unless told); de-quantizing drops the
+        quantization fields."""
+        if dtype in QUANTIZED:
+            model = self.model_dtype if self.is_quantized or self.dtype not in MODEL_DTYPES \
+                else self.dtype
+            sinks = self.sink_tokens if self.is_quantized else SINK_TOKENS
+            return replace(self, dtype=dtype, model_dtype=model,
+                           sink_tokens=sinks if sink_tokens is None else sink_tokens)
+        return replace(self, dtype=dtype, model_dtype="bf16", group_size=0,
+                       key_scales="channel", sink_tokens=0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        fields = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+        fields = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "model_dtype",
+                  "group_size", "key_scales", "sink_tokens")
         return cls(**{k: data[k] for k in fields if k in data})
 
     @classmethod
@@ -126,7 +191,8 @@ class KVLayout:
             raise InvalidArgument(
                 f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}"
             ) from None
-        return replace(base, dtype=dtype or base.dtype, block_size=block_size)
+        lay = replace(base, block_size=block_size)
+        return lay.with_dtype(dtype) if dtype else lay
 
     @classmethod
     def from_hf_config(
@@ -176,10 +242,10 @@ class KVLayout:
                 f"model config num_attention_heads {num_heads} is not a multiple of "
                 f"num_key_value_heads {num_kv_heads}"
             )
-        if dtype is None:
-            hf_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-            dtype = _HF_DTYPES.get(str(hf_dtype), "bf16")
-        return cls(num_layers, num_kv_heads, head_dim, dtype, block_size)
+        hf_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        lay = cls(num_layers, num_kv_heads, head_dim, _HF_DTYPES.get(str(hf_dtype), "bf16"),
+                  block_size)
+        return lay.with_dtype(dtype) if dtype else lay
 
 
 # Published architectures (config.json of each model); kv_heads are the GQA counts.

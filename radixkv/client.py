@@ -16,6 +16,7 @@ returns zero-copy tensors. If the service restarts, its pool epoch changes; `poo
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import socket
@@ -123,13 +124,28 @@ class PoolInfo:
 
 
 def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
-    layout = KVLayout(r.layout.num_layers, r.layout.num_kv_heads, r.layout.head_dim,
-                      r.layout.dtype, r.layout.block_size)
+    q = r.layout
+    try:
+        layout = KVLayout(q.num_layers, q.num_kv_heads, q.head_dim, q.dtype, q.block_size)
+        if q.model_dtype:  # quantized
+            layout = dataclasses.replace(layout, model_dtype=q.model_dtype,
+                                         group_size=q.group_size, key_scales=q.key_scales,
+                                         sink_tokens=q.sink_tokens)
+    except errors.InvalidArgument as e:
+        raise errors.InvalidArgument(f"this client does not understand the service's pool "
+                                     f"layout: {e}") from None
+    if (layout.bytes_per_block != r.layout.bytes_per_block or
+            (layout.sink_tokens and layout.sink_bytes_per_block != r.layout.sink_bytes_per_block)):
+        raise errors.InvalidArgument(
+            f"this client does not understand the service's pool layout: it computes "
+            f"{layout.bytes_per_block} bytes per block for {layout}, the service says "
+            f"{r.layout.bytes_per_block} (a newer block format? upgrade the client)")
     handle = PoolHandle.from_dict({
         "backend": r.backend, "name": r.shm_name, "nbytes": r.nbytes,
         "num_blocks": r.num_blocks, "layout": layout.to_dict(), "epoch": r.epoch,
         "ipc_handle": base64.b64encode(r.ipc_handle).decode(), "device_id": r.device_id,
         "device_uuid": r.device_uuid, "owner_pid": r.owner_pid,
+        "num_sink_blocks": r.num_sink_blocks,
     })
     return PoolInfo(layout, handle, r.max_tokens, r.max_batch, r.lease_ttl_s, r.max_lease_ttl_s)
 
@@ -275,10 +291,12 @@ class Client:
                 for r in resp.results]
 
     def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "",
-                 ttl: float = 0.0) -> Allocation:
+                 ttl: float = 0.0, starts_sequence: bool = False) -> Allocation:
+        """`starts_sequence`: the first block will hold position 0 (a quantized pool with sink
+        tokens then gives a sink block)."""
         resp = self._call("Allocate", pb.AllocateRequest(
             client_id=self.client_id, lease_id=lease_id, namespace=namespace,
-            num_blocks=num_blocks, lease_ttl_s=ttl))
+            num_blocks=num_blocks, lease_ttl_s=ttl, starts_sequence=starts_sequence))
         self._note_epoch(resp.epoch)
         return Allocation(resp.lease_id, ids_from_bytes(resp.block_ids), resp.num_evicted,
                           resp.epoch)
@@ -406,11 +424,17 @@ class Lease:
         self.alloc_error = m.alloc_error
         self.epoch = m.epoch
         self.released = False
+        self._allocated = False  # blocks after the matched ones were handed out
 
     def view(self) -> Any:
         """The pool's blocks as one zero-copy tensor (`PoolMapping.view()`) of this lease's
         epoch; StalePool if the service restarted since the Match."""
         return self.client.pool_of(self.epoch).view()
+
+    def pool(self) -> PoolMapping:
+        """The pool mapping of this lease's epoch (`read`/`write` blocks in any format);
+        StalePool if the service restarted since the Match."""
+        return self.client.pool_of(self.epoch)
 
     def allocate(self, num_blocks: int) -> tuple[int, ...]:
         """`num_blocks` blocks of this lease to write into: first the ones the Match already
@@ -418,7 +442,10 @@ class Lease:
         ids, self.new_block_ids = (self.new_block_ids[:num_blocks],
                                    self.new_block_ids[num_blocks:])
         if len(ids) < num_blocks:
-            ids += self.client.allocate(num_blocks - len(ids), lease_id=self.lease_id).block_ids
+            first = not self.block_ids and not ids and not self._allocated
+            ids += self.client.allocate(num_blocks - len(ids), lease_id=self.lease_id,
+                                        starts_sequence=first).block_ids
+        self._allocated = True
         return ids
 
     def keep_alive(self, ttl: float = 0.0) -> float:

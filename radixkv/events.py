@@ -40,6 +40,22 @@ def _hash(parent: bytes, tokens: bytes | memoryview) -> bytes:
     return hashlib.blake2b(parent + tokens, digest_size=8).digest()
 
 
+def chain_hashes(namespace: str, tokens: bytes | memoryview, block_size: int,
+                 parent_hash: int | None = None) -> list[int]:
+    """The chained 64-bit hash of each full block of `tokens` (little-endian uint32 bytes)
+    following the block whose hash is `parent_hash` (None: at the root): the same numbers
+    BlockStored events carry, so a router can hash a prompt and look its blocks up."""
+    h = (hashlib.blake2b(namespace.encode(), digest_size=8).digest() if parent_hash is None
+         else parent_hash.to_bytes(8, "little"))
+    run = block_bytes(block_size)
+    view = memoryview(tokens)
+    hashes = []
+    for start in range(0, len(view) - run + 1, run):
+        h = _hash(h, view[start:start + run])
+        hashes.append(int.from_bytes(h, "little"))
+    return hashes
+
+
 class EventLog:
     """Publishes tree events with consecutive sequence numbers (starting at 1) and keeps the
     last `capacity` of them for resuming subscribers. Thread-safe."""
@@ -77,18 +93,10 @@ class EventLog:
         now = time.time()
         known = self._hash_of.setdefault(namespace, {})
         if isinstance(ev, BlockStored):
-            if ev.parent_block_id is None:
-                parent_hash = None
-                h = hashlib.blake2b(namespace.encode(), digest_size=8).digest()  # the salt
-            else:
-                parent_hash = known[ev.parent_block_id]
-                h = parent_hash.to_bytes(8, "little")
+            parent_hash = None if ev.parent_block_id is None else known[ev.parent_block_id]
             run = block_bytes(self.block_size)
-            tokens = memoryview(ev.tokens)
-            hashes = []
-            for i in range(len(ev.block_ids)):
-                h = _hash(h, tokens[i * run:(i + 1) * run])
-                hashes.append(int.from_bytes(h, "little"))
+            hashes = chain_hashes(namespace, memoryview(ev.tokens)[:len(ev.block_ids) * run],
+                                  self.block_size, parent_hash)
             known.update(zip(ev.block_ids, hashes, strict=True))
             self._buffer.append(KVEvent(self._last, namespace, now, "stored", ev.block_ids,
                                         ev.parent_block_id, ev.tokens, tuple(hashes), parent_hash))

@@ -143,6 +143,7 @@ class ServiceStats:
     evicted_blocks: int
     uptime_s: float
     namespaces: tuple[NamespaceStats, ...]
+    event_sequence: int = 0  # the last event published when these figures were read
 
 
 @dataclass(slots=True)
@@ -178,6 +179,20 @@ class _Namespace:
     tree: RadixTree
     num_leases: int = 0  # live leases in this namespace
     life: _Counters = field(default_factory=_Counters)
+
+
+def check_namespace(namespace: str) -> None:
+    """InvalidArgument unless `namespace` is a valid name: 1-256 printable ASCII characters,
+    no spaces."""
+    if not namespace:
+        raise InvalidArgument("namespace must not be empty")
+    if len(namespace) > MAX_NAMESPACE_LEN:
+        raise InvalidArgument(f"namespace is {len(namespace)} characters, "
+                              f"limit {MAX_NAMESPACE_LEN}")
+    if not NAMESPACE_CHARS.issuperset(namespace):
+        bad = next(c for c in namespace if c not in NAMESPACE_CHARS)
+        raise InvalidArgument(f"namespace {namespace!r} has {bad!r}: names are printable "
+                              "ASCII without spaces")
 
 
 class KVService:
@@ -262,12 +277,13 @@ class KVService:
         want = min(store_tokens, num_tokens(tokens)) // self.block_size - len(m.block_ids)
         if want <= 0:
             return m
+        sinks = 0 if m.block_ids else 1  # a sequence's first block comes from the sink region
         try:
-            num_evicted = self._make_room(want)
+            num_evicted = self._make_room(want, sinks=sinks)
         except OutOfBlocks as e:
             return dataclasses.replace(m, alloc_error=str(e))
         lease = self._leases[m.lease_id]
-        ids = tuple(self.pool.alloc(want))
+        ids = tuple(self.pool.alloc(want, sinks=sinks))
         for b in ids:
             lease.owned[b] = None
             self._lease_of_block[b] = lease.lease_id
@@ -275,11 +291,13 @@ class KVService:
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
-        ttl_s: float | None = None,
+        ttl_s: float | None = None, starts_sequence: bool = False,
     ) -> Allocation:
         """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None,
         with TTL `ttl_s`), evicting unpinned LRU leaves when the free list is short. When it
-        raises (OutOfBlocks, ...), no lease was opened and nothing was evicted."""
+        raises (OutOfBlocks, ...), no lease was opened and nothing was evicted (except while
+        looking for a free sink block). `starts_sequence`: the first block will hold position
+        0, so it comes from the sink region where the pool has one."""
         if not 0 < num_blocks <= self.pool.num_blocks:
             raise InvalidArgument(
                 f"num_blocks must be in 1..{self.pool.num_blocks}, got {num_blocks}")
@@ -290,19 +308,20 @@ class KVService:
                 if namespace and namespace != lease.namespace:
                     raise PermissionDenied(f"lease {lease_id} belongs to namespace "
                                            f"{lease.namespace!r}, not {namespace!r}")
-                num_evicted = self._make_room(num_blocks)
+                num_evicted = self._make_room(num_blocks, sinks=int(starts_sequence))
                 self._touch(lease)
             else:
                 self._check_namespace(namespace)
                 self._check_room_for(owner, 1, namespace not in self._namespaces)
                 ns = self._namespace(namespace)
                 try:
-                    num_evicted = self._make_room(num_blocks, keep=ns)
+                    num_evicted = self._make_room(num_blocks, keep=ns,
+                                                  sinks=int(starts_sequence))
                 except OutOfBlocks:
                     self._drop_if_empty(ns)
                     raise
                 lease = self._open_lease(owner, ns, ttl)
-            ids = self.pool.alloc(num_blocks)
+            ids = self.pool.alloc(num_blocks, sinks=int(starts_sequence))
             for b in ids:
                 lease.owned[b] = None
                 self._lease_of_block[b] = lease.lease_id
@@ -413,6 +432,7 @@ class KVService:
             cached = sum(ns.tree.num_cached_blocks for ns in self._namespaces.values())
             pinned = sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())
             return ServiceStats(
+                event_sequence=self.events.last_sequence,
                 num_blocks=self.pool.num_blocks,
                 free_blocks=self.pool.num_free,
                 leased_blocks=len(self._lease_of_block),
@@ -486,15 +506,7 @@ class KVService:
     # ---- internals ---------------------------------------------------------------------------
 
     def _check_namespace(self, namespace: str) -> None:
-        if not namespace:
-            raise InvalidArgument("namespace must not be empty")
-        if len(namespace) > MAX_NAMESPACE_LEN:
-            raise InvalidArgument(f"namespace is {len(namespace)} characters, "
-                                  f"limit {MAX_NAMESPACE_LEN}")
-        if not NAMESPACE_CHARS.issuperset(namespace):
-            bad = next(c for c in namespace if c not in NAMESPACE_CHARS)
-            raise InvalidArgument(f"namespace {namespace!r} has {bad!r}: names are printable "
-                                  "ASCII without spaces")
+        check_namespace(namespace)
 
     def _ttl(self, ttl_s: float | None) -> float:
         """The TTL a call asked for (None or 0: the default), within [min(1 s, default), cap]:
@@ -533,6 +545,11 @@ class KVService:
             if not 0 <= b < self.pool.num_blocks:
                 raise InvalidArgument(f"block id {b} is out of range (pool has "
                                       f"{self.pool.num_blocks} blocks)")
+        if self.pool.num_sink_blocks and block_ids and not self.pool.is_sink(block_ids[0]):
+            raise InvalidArgument(
+                f"block {block_ids[0]} holds position 0 but is not a sink block: this pool "
+                f"keeps the first {self.pool.layout.sink_tokens} tokens of every sequence in "
+                f"{self.pool.layout.model_dtype} (Allocate with starts_sequence)")
 
     def _check_claims(self, lease: _Lease, namespace: str, tokens: bytes,
                       block_ids: Sequence[int], claimed: set[int]) -> None:
@@ -679,11 +696,24 @@ class KVService:
                 self._expired.popitem(last=False)
         return len(freed)
 
-    def _make_room(self, num_blocks: int, keep: _Namespace | None = None) -> int:
-        """Evict until `num_blocks` are free, the policy's first victim first across all
-        namespaces (their trees share one clock and policy state, so their victims compare).
-        Raises OutOfBlocks, evicting nothing, when even that cannot make room. Namespaces left
-        empty are dropped, except `keep` (about to get a lease)."""
+    def _make_room(self, num_blocks: int, keep: _Namespace | None = None, sinks: int = 0) -> int:
+        """Evict until `num_blocks` are free, `sinks` of them sink blocks, the policy's first
+        victim first across all namespaces (their trees share one clock and policy state, so
+        their victims compare). Raises OutOfBlocks, evicting nothing, when even that cannot
+        make room (a search for a sink block keeps what it evicted). Namespaces left empty are
+        dropped, except `keep` (about to get a lease)."""
+        evicted = 0
+        while self.pool.num_free_sink < min(sinks, self.pool.num_sink_blocks):
+            try:
+                evicted += self._evict_for(self.pool.num_free + 1, keep)  # one more block
+            except OutOfBlocks:
+                raise OutOfBlocks(
+                    f"no sink block for a sequence's first block: all "
+                    f"{self.pool.num_sink_blocks} are leased or pinned (serve with a larger "
+                    f"--kv-sink-fraction)") from None
+        return evicted + self._evict_for(num_blocks, keep)
+
+    def _evict_for(self, num_blocks: int, keep: _Namespace | None) -> int:
         need = num_blocks - self.pool.num_free
         if need <= 0:
             return 0

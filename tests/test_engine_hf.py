@@ -224,3 +224,37 @@ def test_a_forward_longer_than_the_lease_ttl_still_caches(model: Any,
         assert engine.kv is not None
         assert engine.kv.stats(check_integrity=True)["integrity"] == "ok"
         engine.close()
+
+
+@pytest.mark.parametrize("kv_dtype, min_snr_db", [("int8", 35.0), ("int4", 15.0)])
+def test_a_quantized_pool_serves_close_kv_and_exact_sinks(model: Any, kv_dtype: str,
+                                                          min_snr_db: float) -> None:
+    """The engine writes and reads int8/int4 blocks: the reused K/V are the recompute's within
+    the format's error, the sink tokens (position 0 on) bit-exact, and the first layer's
+    suffix K/V (which see no cached KV) exact."""
+    with tempfile.TemporaryDirectory(prefix="rkv-hf-") as directory, running_server(
+            "--model-config", tiny_llama.write_config(directory, "test"),
+            "--kv-dtype", kv_dtype, "--kv-sink-tokens", "2", "--kv-sink-fraction", "0.25",
+            num_blocks=64, block_size=BLOCK_SIZE) as srv:
+        engine = Engine(model, srv.socket, f"{tiny_llama.namespace_for('test', 0)}/q")
+        try:
+            assert engine.layout is not None and engine.layout.dtype == kv_dtype
+            prompt = make_tokens(41, seed=9)
+            engine.prefill(prompt)
+            got = engine.prefill(prompt)
+            assert got.cached_tokens == 40
+            base = engine.prefill_no_cache(prompt)
+            for layer, ((k, v), (bk, bv)) in enumerate(zip(
+                    cache_layers(got.cache), cache_layers(base.cache), strict=True)):
+                for mine, ref in ((k, bk), (v, bv)):
+                    torch.testing.assert_close(mine[:, :, :2], ref[:, :, :2], atol=0, rtol=0)
+                    if layer == 0:
+                        torch.testing.assert_close(mine[:, :, 40:], ref[:, :, 40:], atol=1e-5,
+                                                   rtol=0)
+                    err = (mine[:, :, :40] - ref[:, :, :40]).pow(2).sum()
+                    snr = 10 * torch.log10(ref[:, :, :40].pow(2).sum() / err)
+                    assert float(snr) > min_snr_db
+            assert engine.kv is not None
+            assert engine.kv.stats(check_integrity=True)["integrity"] == "ok"
+        finally:
+            engine.close()

@@ -28,9 +28,9 @@ def test_windows_are_consecutive_slices() -> None:
     assert [evaluate.default_windows(c) for c in (512, 2048, 8192)] == [16, 4, 1]
 
 
-def test_an_unsupported_kv_dtype_is_refused() -> None:
-    with pytest.raises(InvalidArgument, match="kv dtype 'int8' is not supported yet"):
-        evaluate.check_kv_dtype("int8")
+def test_an_unknown_kv_format_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="kv format 'int3' is not one of fp32, int8"):
+        evaluate.check_kv_dtype("int3")
 
 
 def test_fp32_kv_through_the_pool_keeps_the_perplexity(smollm2: Any) -> None:

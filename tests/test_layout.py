@@ -46,17 +46,36 @@ def test_reference_figures_llama3_70b():
 
 
 def test_quantized_sizes_count_scales():
-    lay = make_layout(dtype="int8", head_dim=128)
-    # values: 2*2*2*128 bytes; scales: one fp16 per (K|V, layer, head)
+    lay = make_layout(dtype="int8", head_dim=128)  # 2 layers, 2 kv heads, block 4, bf16 model
+    # values: 2 (K, V) x 2 layers x 2 heads x 128 bytes; scales: one fp16 per (K|V, layer, head)
     assert lay.data_bytes_per_token == 1024
     assert lay.scale_bytes_per_token == 2 * 2 * 2 * 2
-    int4 = lay.with_dtype("int4")
+    assert lay.bytes_per_block == 4 * (1024 + 16)
+    int4 = lay.with_dtype("int4", sink_tokens=0)
     assert int4.data_bytes_per_token == 512
-    assert int4.scale_bytes_per_token == 2 * 2 * 2 * 2 * 2  # two 64-groups per head
-    # four sink tokens are kept in bf16
-    bf16 = lay.with_dtype("bf16").bytes_per_token
-    assert int4.context_bytes(10) == 4 * bf16 + 6 * int4.bytes_per_token
-    assert int4.context_bytes(2) == 2 * bf16
+    # keys per channel over the block: scale + zero per (layer, head, channel), fp16
+    # values per token per head: scale + zero per (layer, token, head), fp16
+    key_scales = 2 * 2 * 128 * 2 * 2
+    value_scales = 2 * 4 * 2 * 2 * 2
+    assert int4.bytes_per_block == 4 * 512 + key_scales + value_scales
+    grouped = make_layout(dtype="int4", head_dim=128, group_size=32, key_scales="token")
+    assert grouped.bytes_per_block == 4 * 512 + 2 * (2 * 4 * 2 * 4 * 2 * 2)
+    # sink tokens: once per sequence, in the model dtype
+    sinks = lay.with_dtype("int4", sink_tokens=2)
+    assert sinks.sink_bytes == 2 * 2 * 2 * 2 * 128 * 2
+    assert sinks.sink_bytes_per_block == sinks.bytes_per_block + sinks.sink_bytes
+    assert sinks.context_bytes(10) == -(-10 * sinks.bytes_per_block // 4) + sinks.sink_bytes
+
+
+def test_quantized_layout_bad_input():
+    with pytest.raises(InvalidArgument, match="group size 48 does not divide head_dim 64"):
+        make_layout(dtype="int4", head_dim=64, group_size=48)
+    with pytest.raises(InvalidArgument, match="sink tokens .4. must be fewer than the block size"):
+        make_layout(dtype="int8", sink_tokens=4)
+    with pytest.raises(InvalidArgument, match="not quantized"):
+        make_layout(dtype="bf16", sink_tokens=1)
+    with pytest.raises(InvalidArgument, match="key_scales"):
+        make_layout(dtype="int4", key_scales="row")
 
 
 def test_tokens_in_budget_counts_whole_blocks():

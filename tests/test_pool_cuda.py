@@ -163,3 +163,34 @@ def test_device_uuid_matches_torch() -> None:
     ours = device_uuid(0)
     theirs = str(torch.cuda.get_device_properties(0).uuid)
     assert ours.removeprefix("GPU-") == theirs.removeprefix("GPU-"), (ours, theirs)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_blocks_on_the_device_match_the_cpu_codec(kv_dtype: str) -> None:
+    """The same torch ops on the GPU: write/read a quantized cuda pool (a sink block first):
+    sink tokens bit-exact, the rest what the CPU codec gives within one quantization step
+    (device rounding may differ at a step's edge)."""
+    from gpu_pool import quant
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype=kv_dtype, block_size=8,
+                      model_dtype="bf16", sink_tokens=2)
+    with create_pool(layout, num_blocks=8, backend="cuda", sink_fraction=0.25) as p:
+        gen = torch.Generator().manual_seed(0)
+        k = torch.randn((3, 16, 2, 16), generator=gen).to(torch.bfloat16)
+        v = torch.randn((3, 16, 2, 16), generator=gen).to(torch.bfloat16)
+        ids = [6, 1]  # a sink block at position 0, then a regular one
+        p.write(ids, k.cuda(), v.cuda())
+        got_k, got_v = p.read(ids)
+        assert got_k.device.type == "cuda" and got_k.dtype == torch.bfloat16
+        with create_pool(layout, num_blocks=8, sink_fraction=0.25) as host:
+            host.write(ids, k, v)
+            want_k, want_v = host.read(ids)
+            exact = slice(layout.bytes_per_block, None)
+            assert torch.equal(p.sink_view()[0, exact].cpu(), host.sink_view()[0, exact])
+        assert torch.equal(got_k[:, :2].cpu(), k[:, :2]) and torch.equal(got_v[:, :2].cpu(),
+                                                                           v[:, :2])
+        step = 0.05 if kv_dtype == "int8" else 0.7
+        assert float((got_k.cpu().float() - want_k.float()).abs().max()) <= step
+        assert float((got_v.cpu().float() - want_v.float()).abs().max()) <= step
+        assert quant.model_dtype(layout) == torch.bfloat16
+        del got_k, got_v

@@ -305,7 +305,7 @@ def test_handle_round_trips_through_json() -> None:
     assert PoolHandle.from_dict(data) == cuda
     with pytest.raises(InvalidArgument, match="pool handle lacks layout, epoch"):
         PoolHandle.from_dict({"backend": "host", "nbytes": 1, "num_blocks": 1})
-    message = "nbytes 100 is less than 4 blocks x 512 bytes = 2048"
+    message = "nbytes 100 is less than the 4 blocks' 2048 bytes"
     with pytest.raises(InvalidArgument, match=message):
         PoolHandle.from_dict({**data, "nbytes": 100})
     with pytest.raises(InvalidArgument, match="64-byte IPC handle, got 3 bytes"):

@@ -15,7 +15,8 @@ def test_generated_stubs_are_fresh(tmp_path):
     assert out.returncode == 0, out.stderr
     generated = sorted(p.relative_to(tmp_path) for p in (tmp_path / "radixkv").rglob("*_pb2*"))
     assert generated, "gen.py produced nothing"
-    committed = sorted(p.relative_to(REPO) for p in (REPO / "radixkv" / "v1").glob("*_pb2*"))
+    committed = sorted(p.relative_to(REPO) for folder in ("v1", "etcd")
+                       for p in (REPO / "radixkv" / folder).glob("*_pb2*"))
     assert generated == committed
     for rel in generated:
         assert (tmp_path / rel).read_bytes() == (REPO / rel).read_bytes(), (

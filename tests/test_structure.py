@@ -50,7 +50,7 @@ def test_gpu_pool_imports_nothing_of_radixkv() -> None:
     assert offenders("gpu_pool", ("radixkv", "bench")) == {}
 
 
-@pytest.mark.parametrize("folder", ["radixkv/index", "radixkv/server"])
+@pytest.mark.parametrize("folder", ["radixkv/index", "radixkv/server", "radixkv/cluster"])
 def test_service_side_never_imports_the_tools(folder: str) -> None:
     assert offenders(folder, ("radixkv.replay", "radixkv.cli", "bench")) == {}
 

@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from gpu_pool.layout import PRESETS, KVLayout, parse_bytes
+from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
 from radixkv.errors import RadixKVError
 from radixkv.index.eviction import DEFAULT_POLICY, POLICIES
 
@@ -36,17 +37,39 @@ def add_layout_flags(p: argparse.ArgumentParser, default_preset: str | None) -> 
     g.add_argument("--model-config", metavar="PATH",
                    help="a Hugging Face config.json (or its folder) instead of --preset")
     g.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "fp8", "int8", "int4"],
-                   help="KV element type (default: the model's, usually bf16)")
+                   help="the model's KV element type (default: the model's, usually bf16); "
+                        "int8/int4 here mean --kv-dtype with a bf16 model")
     g.add_argument("--block-size", type=positive_int, default=16,
                    help="tokens per block (default: 16)")
+    g.add_argument("--kv-dtype", choices=["int8", "int4"],
+                   help="store KV quantized: int8 (symmetric, a scale per token and head) or "
+                        "int4 (asymmetric, keys per channel, values per token group); engines "
+                        "read it back in --dtype")
+    g.add_argument("--kv-sink-tokens", type=int, default=SINK_TOKENS, metavar="N",
+                   help=f"with --kv-dtype: the first N tokens of every sequence stay in --dtype "
+                        f"(attention sinks; default {SINK_TOKENS}, 0 for none)")
+    g.add_argument("--kv-group-size", type=int, default=0, metavar="G",
+                   help="with --kv-dtype: elements per scale along head_dim (default 0: one "
+                        "scale per head)")
+    g.add_argument("--kv-key-scales", choices=["channel", "token"], default="channel",
+                   help="with --kv-dtype int4: keys scaled per channel over a block's tokens "
+                        "(default) or per token group like values")
 
 
 def layout_from_args(args: argparse.Namespace) -> KVLayout:
     if args.model_config:
-        return KVLayout.from_hf_config(args.model_config, args.dtype, args.block_size)
-    if not args.preset:
+        layout = KVLayout.from_hf_config(args.model_config, args.dtype, args.block_size)
+    elif not args.preset:
         raise SystemExit("give --preset NAME or --model-config PATH")
-    return KVLayout.from_preset(args.preset, args.dtype, args.block_size)
+    else:
+        layout = KVLayout.from_preset(args.preset, args.dtype, args.block_size)
+    if args.kv_dtype:
+        if layout.is_quantized:
+            raise SystemExit(f"--kv-dtype {args.kv_dtype} with --dtype {layout.dtype}: give the "
+                             "model's dtype as --dtype")
+        layout = replace(layout.with_dtype(args.kv_dtype, args.kv_sink_tokens),
+                         group_size=args.kv_group_size, key_scales=args.kv_key_scales)
+    return layout
 
 
 def cmd_calc(args: argparse.Namespace) -> int:
@@ -73,18 +96,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gpu_pool.base import fit_blocks
+
     layout = layout_from_args(args)
     num_blocks = args.num_blocks
     if args.memory:
-        num_blocks = layout.blocks_in(parse_bytes(args.memory))
-        if num_blocks < 1:
+        if layout.blocks_in(parse_bytes(args.memory)) < 1:
             raise SystemExit(f"--memory {args.memory} holds no {layout.bytes_per_block}-byte block")
+        num_blocks = fit_blocks(layout, parse_bytes(args.memory), args.kv_sink_fraction)
     config = ServerConfig.from_env(
         layout=layout, num_blocks=num_blocks, backend=args.backend, device=args.device,
+        sink_fraction=args.kv_sink_fraction,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
         workers=args.workers, stream_workers=args.stream_workers,
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        auth_token=read_token(args.auth_token_file, None))  # None: from_env reads the env var
+        auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
+        cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
+        cluster_ttl_s=args.cluster_ttl)
+    if args.cluster and not args.node_id:
+        raise SystemExit("radixkv serve: --cluster needs --node-id")
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
     config = replace(config, service=replace(
         config.service, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
@@ -127,6 +157,10 @@ def cmd_clear(args: argparse.Namespace) -> int:
 def cmd_view(args: argparse.Namespace) -> int:
     from radixkv.cli.inspector import run
 
+    if getattr(args, "router", None):
+        from radixkv.cli.cluster import inspect_router
+
+        return inspect_router(args.router, bool(args.json))
     return run(args)
 
 
@@ -173,6 +207,9 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--backend", choices=["host", "cuda"], default=None,
                    help="host: POSIX shared memory (default); cuda: GPU memory via CuPy + IPC")
     g.add_argument("--device", type=int, default=None, help="CUDA device ordinal (cuda backend)")
+    g.add_argument("--kv-sink-fraction", type=float, default=0.125, metavar="F",
+                   help="with --kv-dtype and sink tokens: the share of blocks that can start a "
+                        "sequence (sink blocks, a little larger; default 0.125)")
     g = p.add_argument_group("service")
     g.add_argument("--lease-ttl", type=positive_float, default=None,
                    help="seconds a lease lives without use before its pins are dropped "
@@ -210,6 +247,17 @@ def _add_serve(sub: Any) -> None:
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (127.0.0.1; 0 or absent: off)")
+    g = p.add_argument_group("cluster (radixkv/cluster/membership.py)")
+    g.add_argument("--cluster", metavar="etcd://HOST:PORT[/NAME]",
+                   help="register this server as a member of the cluster NAME (default "
+                   "'default') in etcd, for `radixkv router`; off by default")
+    g.add_argument("--node-id", metavar="ID", help="this member's id in the cluster")
+    g.add_argument("--advertise", metavar="ADDR",
+                   help="the address members publish for engines and routers (default: the "
+                   "first one this server listens on, e.g. unix:///path)")
+    g.add_argument("--cluster-ttl", type=positive_int, default=5, metavar="SECONDS",
+                   help="the registration's etcd lease: a crashed member drops out after this "
+                   "(5); a clean stop leaves at once")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop (as on SIGTERM) when the process that started this one exits; "
@@ -236,7 +284,10 @@ def _add_views(sub: Any) -> None:
     conn, view_conn = [_connection_flags(False)], [_connection_flags(True)]
     p = sub.add_parser("inspect", parents=conn, help="look into a running cache",
                        description="Views of a running service: the summary (default), one "
-                       "namespace's radix tree, or its hottest prefixes.")
+                       "namespace's radix tree, or its hottest prefixes; with --router, a "
+                       "cluster's members as its router sees them.")
+    p.add_argument("--router", metavar="PATH|TARGET",
+                   help="show a router's members: health, epochs, index size, hit rates")
     views = p.add_subparsers(dest="view", metavar="VIEW")
     views.add_parser("summary", parents=view_conn, help="pool, hit rates, namespaces")
     v = views.add_parser("tree", parents=view_conn, help="one namespace's radix tree")
@@ -309,8 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="radixkv: a prefix KV-cache service for LLM inference engines.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from radixkv.cli import cluster
+
     for add in (_add_calc, _add_serve, _add_demo, _add_chat, _add_views, _add_clear,
-                _add_replay):
+                _add_replay, cluster.add_router, cluster.add_route):
         add(sub)
     return parser
 

@@ -25,12 +25,11 @@ import inspect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from gpu_pool import gather, scatter
 from gpu_pool.layout import KVLayout
 from radixkv.client import STORE_ALL, Client, Lease
 from radixkv.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVError
@@ -98,6 +97,9 @@ class Engine:
         assert self.kv is not None
         have = self.kv.pool_info().layout
         want = pool_layout_for(self.model.config, have.block_size, _DTYPES.get(self.model.dtype))
+        if have.is_quantized and have.model_dtype == want.dtype:  # stored quantized: its
+            want = replace(want.with_dtype(have.dtype, have.sink_tokens),  # own knobs
+                           group_size=have.group_size, key_scales=have.key_scales)
         if have != want:
             raise InvalidArgument(
                 f"radixkv service at {self.kv.target} holds KV layout {have} but this model "
@@ -187,7 +189,7 @@ class Engine:
             if use:
                 assert self.layout is not None
                 num_blocks = -(-use // self.layout.block_size)
-                k, v = gather(view, lease.block_ids[:num_blocks])  # [layers, tokens, heads, dim]
+                k, v = lease.pool().read(lease.block_ids[:num_blocks])  # [layers, tokens, ...]
                 k, v = k.to(self.model.device), v.to(self.model.device)  # host pool, GPU model
                 for layer in range(k.shape[0]):
                     cache.update(k[layer, :use].transpose(0, 1).unsqueeze(0),
@@ -242,7 +244,8 @@ class Engine:
         assert self.layout is not None
         block_size = self.layout.block_size
         have = len(lease.block_ids)
-        num_full = min(len(tokens) // block_size, view.shape[0])  # longer than the pool: a prefix
+        num_full = min(len(tokens) // block_size,  # longer than the pool: a prefix
+                       lease.pool().num_blocks)
         if num_full <= have:
             return 0
         try:
@@ -256,7 +259,7 @@ class Engine:
         # [layers, tokens, kv_heads, head_dim]
         k = torch.stack([key[0, :, start:end].transpose(0, 1) for key, _ in layers])
         v = torch.stack([value[0, :, start:end].transpose(0, 1) for _, value in layers])
-        scatter(view, new, k.to(view.device, view.dtype), v.to(view.device, view.dtype))
+        lease.pool().write(new, k, v)
         self._sync(view)  # the copy may be queued: complete it before Insert publishes blocks
         lease.insert(tokens[:end], lease.block_ids + new, release=True)
         return len(new)

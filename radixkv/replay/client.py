@@ -18,10 +18,11 @@ block that holds anything but its own prefix's bytes is a mismatch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,10 +51,12 @@ def block_keys(namespace: str, tokens: bytes, block_size: int) -> np.ndarray[Any
 class ClientArgs:
     target: str
     block_size: int
-    capacity_blocks: int
+    capacity_blocks: int  # per service (per member in a cluster)
     verify: bool
     speed: float
     round_trips: int = 2  # 2: Match allocates and Insert releases; 4: the four-call path
+    router: str = ""  # a cluster: choose each request's member (radixkv.replay.routing)
+    routing: str = "cache-aware"
 
 
 class BlockBytes:
@@ -61,15 +64,19 @@ class BlockBytes:
     torch on cuda): first 8 bytes of each block read and written as uint64."""
 
     def __init__(self, mapping: Any) -> None:
-        n, bpb = mapping.num_blocks, mapping.layout.bytes_per_block
+        n, bpb = mapping.num_regular_blocks, mapping.layout.bytes_per_block
+        self.epoch = mapping.epoch
         if bpb < 8:
             raise InvalidArgument(f"verification needs >= 8 bytes per block, the pool has {bpb}")
-        self.torch = mapping.backend != "host"
-        if self.torch:
+        self.torch = mapping.backend != "host" or mapping.num_sink_blocks > 0
+        self.bytes: Any
+        if mapping.num_sink_blocks:  # the sink region's rows after the regular ones
+            self.bytes = _Rows(mapping.view(), mapping.sink_view())
+        elif self.torch:
             import torch
 
             t = mapping.view()
-            self.bytes: Any = t.reshape(n, -1).view(torch.uint8) if t.dim() > 2 else t
+            self.bytes = t.reshape(n, -1).view(torch.uint8) if t.dim() > 2 else t
         else:
             self.bytes = mapping.numpy_view().reshape(n, -1).view(np.uint8)
 
@@ -80,7 +87,8 @@ class BlockBytes:
 
             idx = torch.tensor(ids, device=self.bytes.device)
             self.bytes[idx, :8] = torch.from_numpy(rows.copy()).to(self.bytes.device)
-            torch.cuda.synchronize(self.bytes.device)  # written before Insert says so
+            if self.bytes.device.type == "cuda":
+                torch.cuda.synchronize(self.bytes.device)  # written before Insert says so
         else:
             self.bytes[list(ids), :8] = rows
 
@@ -92,6 +100,28 @@ class BlockBytes:
         else:
             rows = self.bytes[list(ids), :8]
         return np.ascontiguousarray(rows).view("<u8").ravel()
+
+
+class _Rows:
+    """Two uint8 row tensors (a pool's regular and sink regions) indexed as one, first 8
+    bytes only: enough for BlockBytes."""
+
+    def __init__(self, regular: Any, sink: Any) -> None:
+        self.regular, self.sink, self.split = regular, sink, regular.shape[0]
+        self.device = regular.device
+
+    def __setitem__(self, key: Any, rows: Any) -> None:
+        idx, _ = key
+        for pos, i in enumerate(idx.tolist()):
+            target = self.regular[i] if i < self.split else self.sink[i - self.split]
+            target[:8] = rows[pos]
+
+    def __getitem__(self, key: Any) -> Any:
+        import torch
+
+        idx, _ = key
+        return torch.stack([(self.regular[i] if i < self.split else self.sink[i - self.split])[:8]
+                            for i in idx.tolist()])
 
 
 def _allocate(kv: Any, lease_id: int, want: int) -> tuple[int, ...]:
@@ -115,11 +145,9 @@ def client_main(args: ClientArgs, jobs: Any, results: Any, done: Any, barrier: A
                  start: Any) -> None:
     """One client process: take jobs until None; put one dict of per-request arrays."""
     try:
-        from radixkv.client import Client
+        from radixkv.replay.routing import Members, OneService
 
-        kv = Client(args.target)
-        kv.wait_ready()
-        pool = BlockBytes(kv.pool()) if args.verify else None
+        members: Members | OneService = Members(args) if args.router else OneService(args)
     except BaseException:
         barrier.abort()
         results.put({"error": traceback.format_exc()})
@@ -128,22 +156,19 @@ def client_main(args: ClientArgs, jobs: Any, results: Any, done: Any, barrier: A
         barrier.wait()
         while not start.value:  # set by the main process once every client is ready
             time.sleep(0.001)
-        results.put(_client_loop(args, kv, pool, jobs, done, start.value))
+        results.put(_client_loop(args, members, jobs, done, start.value))
     except BaseException:
         results.put({"error": traceback.format_exc()})
     finally:
-        kv.close()
+        members.close()
 
 
-def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, done: Any,
+def _client_loop(args: ClientArgs, members: Any, jobs: Any, done: Any,
                  t0: float) -> dict[str, Any]:
-    bb = block_bytes(args.block_size)
-    clock = time.perf_counter_ns
     cols: dict[str, list[int]] = {k: [] for k in (
         "index", "hit_tokens", "match_ns", "allocate_ns", "insert_ns", "release_ns",
-        "dropped")}
-    verified = mismatches = 0
-    examples: list[str] = []
+        "dropped", "route_ns", "node")}
+    check = Verification()
     while (job := jobs.get()) is not None:
         index, namespace, tokens, due_ms, key_bytes, hint = job
         if args.speed and due_ms is not None:
@@ -151,51 +176,80 @@ def _client_loop(args: ClientArgs, kv: Any, pool: BlockBytes | None, jobs: Any, 
             if delay > 0:
                 time.sleep(delay)
         keys = np.frombuffer(key_bytes, dtype="<u8")
-        alloc_ns = insert_ns = -1
-        new: tuple[int, ...] = ()
-        hit = need = 0
-        match_ns = release_ns = -1
-        if tokens:
-            two = args.round_trips == 2
-            t = clock()
-            m = kv.match(namespace, tokens, store_tokens=num_tokens(tokens) if two else 0)
-            match_ns = clock() - t
-            hit = m.num_tokens
-            matched = len(m.block_ids)
-            if pool is not None and matched:
-                got = pool.read(m.block_ids)
-                bad = np.flatnonzero(got != keys[:matched])
-                verified += matched
-                mismatches += int(bad.size)
-                for i in bad[: max(0, 5 - len(examples))]:
-                    examples.append(f"request {index} block {i} (pool id {m.block_ids[i]}): "
-                                    f"expected {int(keys[i]):#018x}, read {int(got[i]):#018x}")
-            need = len(tokens) // bb - matched
-            new = m.new_block_ids
-            if need > 0 and not new:  # the four-call path, or no room at Match time
-                t = clock()
-                new = _allocate(kv, m.lease_id, min(need, args.capacity_blocks))
-                alloc_ns = clock() - t
-            if new and pool is not None:
-                pool.write(new, keys[matched : matched + len(new)])
-            inserted = bool(new or matched)
-            if inserted:
-                t = clock()
-                kv.insert(namespace, tokens[: (matched + len(new)) * bb], m.block_ids + new,
-                          m.lease_id, m.epoch, release=two, hint=hint)
-                insert_ns = clock() - t
-            if not (inserted and two):
-                t = clock()
-                kv.release(m.lease_id, hint=None if inserted else hint)
-                release_ns = clock() - t
-        for key, value in (("index", index), ("hit_tokens", hit), ("match_ns", match_ns),
-                           ("allocate_ns", alloc_ns), ("insert_ns", insert_ns),
-                           ("release_ns", release_ns), ("dropped", need - len(new))):
+        request = functools.partial(_request, args, check=check, index=index,
+                                    namespace=namespace, tokens=tokens, keys=keys,
+                                    hint=hint)
+        row, route_ns, node = members.run(index, namespace, tokens, keys, request)
+        row.update(index=index, route_ns=route_ns, node=node)
+        for key, value in row.items():
             cols[key].append(value)
         with done.get_lock():
             done.value += 1
     out: dict[str, Any] = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
-    out.update(verified=verified, mismatches=mismatches, examples=examples,
-               finished=time.time())
+    out.update(verified=check.verified, mismatches=check.mismatches, examples=check.examples,
+               finished=time.time(), node_names=list(members.names))
     return out
+
+
+@dataclass
+class Verification:
+    """Hit blocks checked against their keys, across the requests of one client."""
+
+    verified: int = 0
+    mismatches: int = 0
+    examples: list[str] = field(default_factory=list)
+
+
+def _request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verification,
+             index: int, namespace: str, tokens: bytes,
+             keys: np.ndarray[Any, Any], hint: str | None = None) -> dict[str, int]:
+    """One request against one service, as an engine drives it; returns its record. The
+    verification counts are added only once the request completed (a retried request
+    counts once)."""
+    bb = block_bytes(args.block_size)
+    clock = time.perf_counter_ns
+    verified = mismatches = 0
+    examples: list[str] = []
+    alloc_ns = insert_ns = -1
+    new: tuple[int, ...] = ()
+    hit = need = 0
+    match_ns = release_ns = -1
+    if tokens:
+        two = args.round_trips == 2
+        t = clock()
+        m = kv.match(namespace, tokens, store_tokens=num_tokens(tokens) if two else 0)
+        match_ns = clock() - t
+        hit = m.num_tokens
+        matched = len(m.block_ids)
+        if pool is not None and matched:
+            got = pool.read(m.block_ids)
+            bad = np.flatnonzero(got != keys[:matched])
+            verified += matched
+            mismatches += int(bad.size)
+            for i in bad[: max(0, 5 - len(examples))]:
+                examples.append(f"request {index} block {i} (pool id {m.block_ids[i]}): "
+                                f"expected {int(keys[i]):#018x}, read {int(got[i]):#018x}")
+        need = len(tokens) // bb - matched
+        new = m.new_block_ids
+        if need > 0 and not new:  # the four-call path, or no room at Match time
+            t = clock()
+            new = _allocate(kv, m.lease_id, min(need, args.capacity_blocks))
+            alloc_ns = clock() - t
+        if new and pool is not None:
+            pool.write(new, keys[matched : matched + len(new)])
+        inserted = bool(new or matched)
+        if inserted:
+            t = clock()
+            kv.insert(namespace, tokens[: (matched + len(new)) * bb], m.block_ids + new,
+                      m.lease_id, m.epoch, release=two, hint=hint)
+            insert_ns = clock() - t
+        if not (inserted and two):
+            t = clock()
+            kv.release(m.lease_id, hint=None if inserted else hint)
+            release_ns = clock() - t
+    check.verified += verified
+    check.mismatches += mismatches
+    check.examples.extend(examples[: max(0, 5 - len(check.examples))])
+    return {"hit_tokens": hit, "match_ns": match_ns, "allocate_ns": alloc_ns,
+            "insert_ns": insert_ns, "release_ns": release_ns, "dropped": need - len(new)}
 

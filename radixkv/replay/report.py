@@ -47,6 +47,26 @@ class Window:
 
 
 @dataclass(frozen=True, slots=True)
+class Cluster:
+    """What a replay over a cluster adds: the routing, how the requests spread, Route's time."""
+
+    nodes: int  # members at the start
+    routing: str  # cache-aware | session | round-robin | random
+    router: str
+    capacity_blocks_per_node: int
+    requests_per_node: tuple[tuple[str, int], ...]  # node id, requests it completed
+    load_imbalance: float  # max / mean requests per member (members that served any)
+    route_us: Latency  # the client's Route call (cache-aware only)
+    killed: tuple[str, ...] = ()  # members SIGKILLed during the run
+    reference_token_hit_rate: float | None = None  # the trace on one node of nodes x capacity
+
+    @staticmethod
+    def imbalance(counts: Sequence[int]) -> float:
+        live = [c for c in counts if c]
+        return max(live) / (sum(live) / len(live)) if live else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class ReplayReport:
     trace: str
     target: str  # "" when the replay started its own service
@@ -87,6 +107,7 @@ class ReplayReport:
     match_samples_us: tuple[float, ...] = field(default=(), repr=False)
     insert_samples_us: tuple[float, ...] = field(default=(), repr=False)
     per_request_hit_tokens: tuple[int, ...] = field(default=(), repr=False)  # trace order
+    cluster: Cluster | None = None  # a replay over a cluster's members, through a router
 
     # prefill saved: every hit token is one the engine does not recompute
     @property
@@ -109,6 +130,16 @@ class ReplayReport:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
         for key in ("match_us", "allocate_us", "insert_us", "release_us"):
             out[key] = asdict(out[key])
+        out["match_p50_us"] = self.match_us.p50
+        if self.cluster is not None:
+            c = self.cluster
+            out["cluster"] = asdict(c)
+            out.update(nodes=c.nodes, routing=c.routing, load_imbalance=c.load_imbalance,
+                       route_p50_us=c.route_us.p50, route_p99_us=c.route_us.p99,
+                       requests_per_node=dict(c.requests_per_node),
+                       reference_token_hit_rate=c.reference_token_hit_rate,
+                       hit_rate_vs_reference=(self.token_hit_rate / c.reference_token_hit_rate
+                                              if c.reference_token_hit_rate else None))
         out["windows"] = [asdict(w) for w in self.windows]
         out["mismatch_examples"] = list(self.mismatch_examples)
         out["notes"] = list(self.notes)
@@ -243,7 +274,8 @@ def render_report(report: ReplayReport) -> Any:
     head = Table(title=f"radixkv replay: {r.trace}", show_header=False, title_justify="left")
     head.add_column(style="bold")
     head.add_column()
-    where = r.target or "own service (started for this run)"
+    where = r.target or ("own cluster (started for this run), capacity summed" if r.cluster
+                         else "own service (started for this run)")
     head.add_row("service", f"{where}; policy {r.policy}, {r.capacity_blocks:,} blocks x "
                  f"{r.block_size} tokens")
     speed = f"timestamps / {r.speed:g}" if r.speed else "as fast as possible"
@@ -258,6 +290,21 @@ def render_report(report: ReplayReport) -> Any:
                  if r.verify else "off (--no-verify)")
     if r.integrity:
         head.add_row("integrity", r.integrity)
+    if r.cluster is not None:
+        c = r.cluster
+        spread = ", ".join(f"{n} {k:,}" for n, k in c.requests_per_node)
+        head.add_row("cluster", f"{c.nodes} members x {c.capacity_blocks_per_node:,} blocks, "
+                     f"routing {c.routing} via {c.router}")
+        head.add_row("spread", f"requests per member: {spread} (max/mean "
+                     f"{c.load_imbalance:.2f})" + (f"; killed {', '.join(c.killed)}"
+                                                    if c.killed else ""))
+        if c.route_us.count:
+            head.add_row("Route", f"p50 {c.route_us.p50:,.0f} us, p99 {c.route_us.p99:,.0f} us "
+                         f"(Match p50 {r.match_us.p50:,.0f} us)")
+        if c.reference_token_hit_rate is not None:
+            ref = c.reference_token_hit_rate
+            head.add_row("reference", f"one node of {r.capacity_blocks:,} blocks: {ref:.2%} "
+                         f"(this run {r.token_hit_rate / ref:.3f}x)" if ref else "")
 
     hits = Table(title="token hit rate", title_justify="left")
     for col in ("", "hit rate", "hit tokens", "evicted blocks", "mean prefill / request"):

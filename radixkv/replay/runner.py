@@ -28,30 +28,42 @@ The service is started for the run (`python -m radixkv serve` on a temporary soc
 KV layer / head / dim in fp16 so a block is 4 x block_size bytes) unless `target` names a
 running one; then the block size and capacity are the server's, and namespaces get a per-run
 prefix so earlier contents neither hit nor fail verification.
+
+Over a cluster (`nodes` > 0 starts etcd, members and a router; `router` names a running one),
+each client sends each request to the member radixkv.replay.routing picks; the Stats figures
+are summed over the members (radixkv.replay.cluster), the optimum and the ceiling are those of
+one node of the members' capacity summed, and the report adds the spread and Route's time.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
-import os
 import queue
+import signal
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from radixkv.errors import InvalidArgument, RadixKVError
-from radixkv.index.eviction import DEFAULT_POLICY, POLICIES
+from radixkv.index.eviction import DEFAULT_POLICY
+from radixkv.index.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.replay.client import ClientArgs, block_keys, client_main
+from radixkv.replay.cluster import ClusterRun, ClusterStats, service_flags, start_cluster
 from radixkv.replay.hints import trace_hints
 from radixkv.replay.report import (
+    Cluster,
+    Latency,
     ReplayReport,
     RunConfig,
     TraceLog,
@@ -74,18 +86,15 @@ MOONCAKE_BLOCK_SIZE = 512
 
 @contextlib.contextmanager
 def start_service(
-    block_size: int, capacity_blocks: int, policy: str = DEFAULT_POLICY
+    block_size: int, capacity_blocks: int, policy: str = DEFAULT_POLICY,
+    sink_fraction: float = 0.0,
 ) -> Iterator[str]:
     """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
-    SIGTERM at exit."""
+    `sink_fraction` > 0 gives the pool a sink region of that share, as a quantized pool with
+    sink tokens has (the tiny layout then stores int8). SIGTERM at exit."""
     with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
-        config = os.path.join(directory, "config.json")
-        with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
-            json.dump({"num_hidden_layers": 1, "num_attention_heads": 1,
-                       "num_key_value_heads": 1, "head_dim": 2 if block_size == 1 else 1,
-                       "torch_dtype": "float16"}, f)
-        with server_process("--model-config", config, "--block-size", str(block_size),
-                            "--num-blocks", str(capacity_blocks), "--policy", policy) as server:
+        flags = service_flags(directory, block_size, capacity_blocks, policy, sink_fraction)
+        with server_process(*flags) as server:
             yield server.socket
 
 
@@ -149,6 +158,8 @@ class ReplayOptions:
     progress: bool
     total: int | None  # requests expected (None: unknown), for the progress bar
     round_trips: int = 2  # per request: 2 (Match allocates, Insert releases) or 4
+    routing: str = "cache-aware"  # over a cluster: radixkv.replay.routing
+    kill_member_after: int | None = None  # SIGKILL one member after this many requests
     hints: bool = False  # send retention hints derived from the trace (radixkv.replay.hints)
 
 
@@ -168,67 +179,113 @@ def run_replay(
     num_windows: int = 40,
     progress: bool = False,
     trace_name: str = "",
+    sink_fraction: float = 0.0,
+    nodes: int = 0,
+    router: str | None = None,
+    routing: str = "cache-aware",
+    kill_member_after: int | None = None,
+    reference: bool = False,
     hints: bool = False,
 ) -> ReplayReport:
     """Replay `requests` (Requests, or a Mooncake / token JSONL path, streamed) against the
     service at `target`, or against one started for the run with `block_size`,
     `capacity_blocks` and `policy`; see the module docstring. `speed` > 0 follows the trace
-    timestamps divided by it; 0 sends as fast as the clients go. `hints`: send each request's
-    retention hint derived from the trace's future (client-supplied knowledge; one extra pass
-    over the trace first)."""
+    timestamps divided by it; 0 sends as fast as the clients go.
+
+    A cluster: `nodes` > 0 starts etcd, that many members of `capacity_blocks` each and a
+    router (`router`: use a running cluster's router instead); each request goes to the member
+    `routing` picks (radixkv.replay.routing). `kill_member_after`: SIGKILL member n0 (of a
+    cluster started here) once that many requests are done. `reference`: also replay the trace
+    on one node of nodes x capacity_blocks, the figure the cluster should approach. `hints`:
+    send each request's retention hint derived from the trace's future (client-supplied
+    knowledge; one extra pass over the trace first)."""
     if clients < 1:
         raise InvalidArgument(f"clients must be >= 1, got {clients}")
     if round_trips not in (2, 4):
         raise InvalidArgument(f"round_trips must be 2 or 4, got {round_trips}")
     if speed < 0 or prefill_tokens_per_s <= 0:
         raise InvalidArgument("speed must be >= 0 and prefill_tokens_per_s > 0")
+    from radixkv.replay.routing import POLICIES
+
+    if routing not in POLICIES:
+        raise InvalidArgument(f"routing {routing!r}: one of {', '.join(POLICIES)}")
+    if sum(x is not None and x != 0 for x in (target, router, nodes)) > 1:
+        raise InvalidArgument("give one of a target service, a router, or a number of nodes")
+    if nodes < 0 or (kill_member_after is not None and not nodes):
+        raise InvalidArgument("nodes must be >= 0; kill_member_after needs a cluster started "
+                              "here (nodes > 0)")
     opts = ReplayOptions(
         trace_name or (str(requests) if isinstance(requests, str | Path) else "requests"),
         clients, policy, speed, verify, prefill_tokens_per_s, num_windows, progress,
-        _count_requests(requests, limit), round_trips, hints)
-    source: Iterable[Request] = (
-        iter_trace(requests, limit) if isinstance(requests, str | Path) else
-        (requests if limit is None else (r for i, r in zip(range(limit), requests, strict=False)))
-    )
-    again: Iterable[Request] | None = None  # a second reading of the trace, for the hints
-    if hints and isinstance(requests, str | Path):
-        again = iter_trace(requests, limit)
-    elif hints:
-        again = source = list(source)
-    if target is not None:
-        return _run(source, target, None, opts, again)
+        _count_requests(requests, limit), round_trips, routing, kill_member_after, hints)
+
+    if not isinstance(requests, str | Path):  # a path is streamed; others kept (reference)
+        requests = list(itertools.islice(requests, limit))
+        limit = None
+
+    def source() -> Iterable[Request]:
+        return iter_trace(requests, limit) if isinstance(requests, str | Path) else requests
+
+    again = source if hints else None  # a second reading of the trace, for the hints
+    if router is not None:
+        return _run(source(), "", None, opts, ClusterRun(router), again)
     if block_size < 1 or capacity_blocks < 1:
         raise InvalidArgument("block_size and capacity_blocks must be >= 1")
-    with start_service(block_size, capacity_blocks, policy) as sock:
-        return _run(source, sock, (block_size, capacity_blocks), opts, again)
+    if nodes:
+        with start_cluster(nodes, block_size, capacity_blocks, policy) as local:
+            report = _run(source(), "", (block_size, capacity_blocks), opts,
+                          ClusterRun(local.router, local), again)
+        if reference:
+            ref = run_replay(requests, block_size=block_size,
+                             capacity_blocks=capacity_blocks * nodes, clients=clients,
+                             policy=policy, speed=speed, verify=verify, round_trips=round_trips,
+                             prefill_tokens_per_s=prefill_tokens_per_s, num_windows=num_windows,
+                             progress=progress, trace_name=trace_name, hints=hints)
+            assert report.cluster is not None
+            report = replace(report, cluster=replace(
+                report.cluster, reference_token_hit_rate=ref.token_hit_rate))
+        return report
+    if target is not None:
+        return _run(source(), target, None, opts, None, again)
+    with start_service(block_size, capacity_blocks, policy, sink_fraction) as sock:
+        return _run(source(), sock, (block_size, capacity_blocks), opts, None, again)
 
 
 def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
-         opts: ReplayOptions, again: Iterable[Request] | None = None) -> ReplayReport:
-    """Replay `source` against the service at `target` (`own`: the block size and capacity of
-    a service started for the run, else None) from `opts.clients` spawned processes. `again`:
-    the same requests once more, to derive hints from when `opts.hints`."""
+         opts: ReplayOptions, cluster: ClusterRun | None = None,
+         again: Callable[[], Iterable[Request]] | None = None) -> ReplayReport:
+    """Replay `source` against the service at `target`, or a cluster's members (`cluster`)
+    (`own`: the block size and capacity of a service or members started for the run, else
+    None) from `opts.clients` spawned processes. `again`: the same requests once more, to
+    derive hints from when `opts.hints`."""
     from radixkv.client import Client
 
     notes: list[str] = []
     policy = opts.policy
     if opts.hints:
         policy += " + trace-derived session hints (client-supplied knowledge)"
-    with Client(target) as kv:
+    kv: Any = ClusterStats(cluster.router) if cluster is not None else Client(target)
+    with kv:
         kv.wait_ready()
-        info = kv.pool_info()
-        block_size, capacity = info.layout.block_size, info.handle.num_blocks
+        if cluster is not None:
+            block_size, capacity, bytes_per_block = kv.geometry()
+        else:
+            info = kv.pool_info()
+            block_size, capacity = info.layout.block_size, info.handle.num_blocks
+            bytes_per_block = info.layout.bytes_per_block
+        where = f"the cluster behind router {cluster.router}" if cluster else target
         if own is None:
             prefix = f"replay-{uuid.uuid4().hex[:8]}/"
-            notes.append(f"running service at {target}: its block size ({block_size}) and "
+            notes.append(f"running service at {where}: its block size ({block_size}) and "
                          f"capacity ({capacity:,} blocks) used; namespaces prefixed {prefix!r}")
             policy = f"{policy} (as configured on the server)"
         else:
             prefix = ""
-        if opts.verify and info.layout.bytes_per_block < 8:
+        if opts.verify and bytes_per_block < 8:
             raise InvalidArgument(f"verification needs >= 8 bytes per block, the pool has "
-                                  f"{info.layout.bytes_per_block}; use --no-verify")
+                                  f"{bytes_per_block}; use --no-verify")
         before = kv.stats()
+        nodes = kv.num_members if cluster is not None else 1
 
         ctx = mp.get_context("spawn")
         jobs = ctx.Queue(maxsize=64)
@@ -237,7 +294,7 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         start = ctx.Value("d", 0.0)
         barrier = ctx.Barrier(opts.clients + 1)
         args = ClientArgs(target, block_size, capacity, opts.verify, opts.speed,
-                          opts.round_trips)
+                          opts.round_trips, cluster.router if cluster else "", opts.routing)
         procs = [ctx.Process(target=client_main, args=(args, jobs, results, done, barrier,
                                                         start), daemon=True)
                  for _ in range(opts.clients)]
@@ -245,7 +302,7 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
             p.start()
         trace = TraceLog()
         stop = threading.Event()
-        hints = trace_hints(again, block_size) if opts.hints and again is not None else None
+        hints = trace_hints(again(), block_size) if opts.hints and again is not None else None
         feeder = threading.Thread(target=_feed, args=(source, block_size, prefix, jobs,
                                                       opts.clients, trace, stop, hints),
                                   daemon=True)
@@ -256,7 +313,7 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
             except threading.BrokenBarrierError:
                 pass  # a client failed to start: its error is in the results
             start.value = time.time()  # the clients wait for it: trace time 0
-            outs, wall, peak = _collect(kv, procs, results, done, start.value, opts)
+            outs, wall, peak = _collect(kv, procs, results, done, start.value, opts, cluster)
         finally:
             stop.set()
             jobs.cancel_join_thread()  # on an error, unsent jobs must not block our exit
@@ -269,14 +326,27 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
             raise trace.error
         after = kv.stats(check_integrity=own is not None)
     peak = max(peak, int(after["cached_blocks"]))
-    run = RunConfig(opts.name, "" if own is not None else target, policy, block_size, capacity,
-                    opts.clients, opts.speed, opts.verify, opts.prefill_tokens_per_s,
-                    opts.num_windows, prefix, opts.round_trips)
-    return build_report(run, trace, outs, wall, before, after, peak, notes)
+    run = RunConfig(opts.name, "" if own is not None else where, policy, block_size,
+                    capacity * nodes, opts.clients, opts.speed, opts.verify,
+                    opts.prefill_tokens_per_s, opts.num_windows, prefix, opts.round_trips)
+    report = build_report(run, trace, outs, wall, before, after, peak, notes)
+    if cluster is None:
+        return report
+    counts: dict[str, int] = {}
+    for o in outs:
+        for i in o["node"].tolist():
+            name = o["node_names"][i]
+            counts[name] = counts.get(name, 0) + 1
+    route = np.concatenate([o["route_ns"] for o in outs])
+    return replace(report, cluster=Cluster(
+        nodes, opts.routing, cluster.router, capacity, tuple(sorted(counts.items())),
+        Cluster.imbalance(list(counts.values())), Latency.of(route[route >= 0] / 1e3),
+        tuple(cluster.killed)))
 
 
 def _collect(kv: Any, procs: list[Any], results: Any, done: Any, t0: float,
-             opts: ReplayOptions) -> tuple[list[dict[str, Any]], float, int]:
+             opts: ReplayOptions,
+             cluster: ClusterRun | None = None) -> tuple[list[dict[str, Any]], float, int]:
     """Wait for every client's result, sampling the cache's peak occupancy and driving the
     progress bar. Returns (results, wall seconds, peak cached blocks)."""
     outs: list[dict[str, Any]] = []
@@ -291,6 +361,11 @@ def _collect(kv: Any, procs: list[Any], results: Any, done: Any, t0: float,
         except queue.Empty:
             if all(not p.is_alive() for p in procs) and results.empty():
                 raise RadixKVError("replay clients exited without a result") from None
+        if (cluster is not None and cluster.local is not None and not cluster.killed
+                and opts.kill_member_after is not None and done.value >= opts.kill_member_after):
+            victim = sorted(cluster.local.members)[0]
+            cluster.local.members[victim].stop(signal.SIGKILL)  # a crash, mid-replay
+            cluster.killed.append(victim)
         if time.monotonic() >= next_poll:  # peak occupancy, sampled
             peak = max(peak, int(kv.stats()["cached_blocks"]))
             next_poll = time.monotonic() + 0.25
@@ -336,7 +411,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "whose hash ids are 512-token blocks; 16 otherwise)")
     p.add_argument("--capacity-blocks", type=int, default=16384,
                    help="cache capacity in blocks: the started service's --num-blocks (16384)")
-    p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES,
+    p.add_argument("--memory", metavar="BYTES",
+                   help="instead of --capacity-blocks: the blocks of --preset's layout stored as "
+                   "--kv-dtype that fit in this much memory, e.g. 40GiB (sink region included)")
+    p.add_argument("--preset", default="llama-3-8b",
+                   help="the model layout --memory is counted in (default llama-3-8b)")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8", "int4"),
+                   help="the KV format --memory is counted in (default bf16)")
+    p.add_argument("--kv-sink-fraction", type=float, default=0.125,
+                   help="int8/int4: the share of sink blocks (a sequence's first block), as "
+                   "`radixkv serve` (0.125)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=EVICTION_POLICIES,
                    help=f"eviction policy of the started service (default {DEFAULT_POLICY})")
     p.add_argument("--hints", action="store_true",
                    help="send retention hints derived from the trace: the last request of each "
@@ -351,6 +436,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-trips", type=int, choices=(2, 4), default=2,
                    help="per request: 2 (Match also allocates, Insert also releases; default) "
                    "or 4 (Match, Allocate, Insert, Release)")
+    g = p.add_argument_group("cluster (radixkv/replay/routing.py)")
+    g.add_argument("--nodes", type=int, default=0, metavar="N",
+                   help="start etcd, N members of --capacity-blocks each and a router, and "
+                   "replay over them (0, default: one service)")
+    g.add_argument("--router", default=None, metavar="ADDR",
+                   help="replay over a running cluster through this router instead")
+    g.add_argument("--routing", default="cache-aware",
+                   choices=("cache-aware", "session", "round-robin", "random"),
+                   help="how each request's member is chosen (cache-aware: the router's Route)")
+    g.add_argument("--kill-member-after", type=int, default=None, metavar="REQUESTS",
+                   help="SIGKILL one member (with --nodes) once this many requests are done")
+    g.add_argument("--reference", action="store_true",
+                   help="also replay on one node of N x --capacity-blocks (with --nodes) and "
+                   "report the cluster's hit rate against it")
     p.add_argument("--no-verify", action="store_true",
                    help="do not write and check block bytes (on by default)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
@@ -359,6 +458,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=40, help="hit-rate-over-time windows (40)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
+                    sink_fraction: float) -> tuple[int, float]:
+    """(blocks, sink fraction) of `preset`'s layout stored as `kv_dtype` in `memory` bytes:
+    what a `radixkv serve --memory` pool of that format holds."""
+    from gpu_pool.base import fit_blocks
+    from gpu_pool.layout import KVLayout, parse_bytes
+
+    layout = KVLayout.from_preset(preset, None, block_size)
+    layout = layout.with_dtype(kv_dtype) if kv_dtype != layout.dtype else layout
+    blocks = fit_blocks(layout, parse_bytes(memory), sink_fraction)
+    if blocks < 1:
+        raise InvalidArgument(f"--memory {memory} holds no {kv_dtype} block of {preset}")
+    return blocks, sink_fraction if layout.sink_tokens else 0.0
 
 
 def _is_mooncake(path: str) -> bool:
@@ -383,13 +497,19 @@ def main(args: argparse.Namespace) -> int:
     target = args.target
     if target is not None and target.startswith("/"):
         target = f"unix://{target}"
+    capacity, sink_fraction = args.capacity_blocks, 0.0
+    if args.memory:
+        capacity, sink_fraction = memory_capacity(args.preset, args.kv_dtype, block_size,
+                                                  args.memory, args.kv_sink_fraction)
     report = run_replay(
-        requests, target=target, block_size=block_size, capacity_blocks=args.capacity_blocks,
+        requests, target=target, block_size=block_size, capacity_blocks=capacity,
+        sink_fraction=sink_fraction,
         clients=args.clients, policy=args.policy, limit=args.limit, speed=args.speed,
         verify=not args.no_verify, round_trips=args.round_trips,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         num_windows=args.windows, progress=True,
-        trace_name=args.trace, hints=args.hints)
+        trace_name=args.trace, nodes=args.nodes, router=args.router, routing=args.routing,
+        kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints)
     paths = write_plots(report, args.plots) if args.plots else []
     if args.json:
         out = report.to_dict()

@@ -40,7 +40,8 @@ class RadixKVServer:
         self._lock_file: Any = None
         self._stopped = threading.Event()
         self.pool = create_pool(config.layout, num_blocks=config.num_blocks,
-                                backend=config.backend, device=config.device)
+                                backend=config.backend, device=config.device,
+                                sink_fraction=config.sink_fraction)
         try:
             self.service = KVService(self.pool, config.service)
             self._server = self._build()
@@ -50,6 +51,7 @@ class RadixKVServer:
         self._sweeper = threading.Thread(target=self._sweep, name="lease-sweeper", daemon=True)
         self.addresses: list[str] = []
         self.metrics_url: str | None = None
+        self.registration: Any = None  # radixkv.cluster.membership.Registration, with --cluster
 
     def _build(self) -> grpc.Server:
         cfg = self.config
@@ -106,11 +108,31 @@ class RadixKVServer:
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper.start()
+        if cfg.cluster:
+            self._join_cluster()
         log.info("radixkv serving on %s: %s pool, %d blocks x %d B, epoch %s",
                  ", ".join(self.addresses), self.pool.backend, self.pool.num_blocks,
                  self.pool.layout.bytes_per_block, self.pool.epoch)
         if self.metrics_url:
             log.info("metrics on %s", self.metrics_url)
+
+    def _join_cluster(self) -> None:
+        """Register in etcd (radixkv.cluster.membership); Unavailable if etcd is unreachable."""
+        from radixkv.cluster.etcd import EtcdTarget
+        from radixkv.cluster.membership import Registration, make_info
+
+        cfg = self.config
+        if not cfg.node_id:
+            raise InvalidArgument("--cluster needs --node-id (this member's name in the cluster)")
+        address = cfg.advertise or self.addresses[0]
+        layout = self.pool.layout
+        info = make_info(cfg.node_id, address, self.pool.epoch, layout.block_size,
+                         self.pool.num_blocks, layout.bytes_per_block,
+                         f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
+                         f"{layout.head_dim}, {layout.dtype}", cfg.cluster_ttl_s)
+        registration = Registration(EtcdTarget.parse(cfg.cluster or ""), info, cfg.cluster_ttl_s)
+        registration.start()  # Unavailable without etcd: the server stops, nothing registered
+        self.registration = registration
 
     def _bind_unix(self, path: str) -> None:
         if len(path) > 107:
@@ -152,6 +174,8 @@ class RadixKVServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.registration is not None:  # leave the cluster first: routers stop sending
+            self.registration.stop()
         self.health.enter_graceful_shutdown()
         self.servicer.close()  # end Events streams now rather than at the end of the grace
         self._server.stop(grace).wait()

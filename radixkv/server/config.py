@@ -68,6 +68,7 @@ def check_socket_dir(socket_path: str) -> None:
 class ServerConfig:
     layout: KVLayout = field(default_factory=lambda: KVLayout.from_preset("llama-3.2-1b"))
     num_blocks: int = 1024
+    sink_fraction: float = 0.125  # quantized layouts with sink tokens: share of sink blocks
     backend: str = "host"
     device: int = 0
     socket: str | None = None  # None: default_socket_path(); "" with tcp set: TCP only
@@ -79,6 +80,10 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM files: TLS on the TCP port
     tls_key: str | None = None
     auth_token: str | None = None  # required from every radixkv.v1 call when set
+    cluster: str | None = None  # etcd://HOST:PORT[/CLUSTER]: register as a member there
+    node_id: str | None = None  # this member's id in the cluster (required with cluster)
+    advertise: str | None = None  # the address members publish (default: the first bound)
+    cluster_ttl_s: int = 5  # the etcd lease of the registration: a crashed member expires
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
     @classmethod

@@ -95,9 +95,14 @@ def rpc(method: F) -> F:
 
 
 def layout_pb(layout: KVLayout) -> pb.KVLayout:
-    return pb.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                       head_dim=layout.head_dim, dtype=layout.dtype,
-                       block_size=layout.block_size, bytes_per_block=layout.bytes_per_block)
+    out = pb.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                      head_dim=layout.head_dim, dtype=layout.dtype,
+                      block_size=layout.block_size, bytes_per_block=layout.bytes_per_block)
+    if layout.is_quantized:
+        out.model_dtype, out.group_size = layout.model_dtype, layout.group_size
+        out.key_scales, out.sink_tokens = layout.key_scales, layout.sink_tokens
+        out.sink_bytes_per_block = layout.sink_bytes_per_block
+    return out
 
 
 def event_pb(ev: KVEvent, epoch: str) -> pb.Event:
@@ -153,7 +158,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             device_id=h.device_id, device_uuid=h.device_uuid, strides=h.strides,
             max_tokens=self.max_tokens, owner_pid=h.owner_pid, max_batch=MAX_BATCH,
             lease_ttl_s=self.service.config.lease_ttl_s,
-            max_lease_ttl_s=self.service.config.max_lease_ttl_s)
+            max_lease_ttl_s=self.service.config.max_lease_ttl_s,
+            num_sink_blocks=h.num_sink_blocks)
 
     @rpc
     def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
@@ -179,7 +185,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
                                   request.namespace, request.num_blocks,
-                                  request.lease_ttl_s or None)
+                                  request.lease_ttl_s or None, request.starts_sequence)
         return pb.AllocateResponse(epoch=self.service.pool.epoch, lease_id=o.lease_id,
                                    block_ids=ids_to_bytes(o.block_ids),
                                    num_evicted=o.num_evicted)

@@ -17,27 +17,37 @@ RETENTION_HINT_SESSION_END: RetentionHint
 RETENTION_HINT_KEEP: RetentionHint
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "bytes_per_block")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "bytes_per_block", "model_dtype", "group_size", "key_scales", "sink_tokens", "sink_bytes_per_block")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEY_SCALES_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SINK_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     block_size: int
     bytes_per_block: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    model_dtype: str
+    group_size: int
+    key_scales: str
+    sink_tokens: int
+    sink_bytes_per_block: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model_dtype: _Optional[str] = ..., group_size: _Optional[int] = ..., key_scales: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., sink_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class PoolInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PoolInfoResponse(_message.Message):
-    __slots__ = ("layout", "backend", "num_blocks", "epoch", "shm_name", "nbytes", "ipc_handle", "device_id", "device_uuid", "strides", "max_tokens", "owner_pid", "max_batch", "lease_ttl_s", "max_lease_ttl_s")
+    __slots__ = ("layout", "backend", "num_blocks", "epoch", "shm_name", "nbytes", "ipc_handle", "device_id", "device_uuid", "strides", "max_tokens", "owner_pid", "max_batch", "lease_ttl_s", "max_lease_ttl_s", "num_sink_blocks")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +63,7 @@ class PoolInfoResponse(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_SINK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     backend: str
     num_blocks: int
@@ -68,7 +79,8 @@ class PoolInfoResponse(_message.Message):
     max_batch: int
     lease_ttl_s: float
     max_lease_ttl_s: float
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., owner_pid: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ...) -> None: ...
+    num_sink_blocks: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., owner_pid: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., num_sink_blocks: _Optional[int] = ...) -> None: ...
 
 class MatchQuery(_message.Message):
     __slots__ = ("namespace", "tokens", "store_tokens")
@@ -115,18 +127,20 @@ class MatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks", "lease_ttl_s")
+    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks", "lease_ttl_s", "starts_sequence")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    STARTS_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     lease_id: int
     namespace: str
     num_blocks: int
     lease_ttl_s: float
-    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    starts_sequence: bool
+    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., starts_sequence: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("lease_id", "block_ids", "num_evicted", "epoch")
@@ -243,7 +257,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity")
+    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +278,7 @@ class StatsResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     layout: KVLayout
     num_blocks: int
@@ -284,7 +299,8 @@ class StatsResponse(_message.Message):
     epoch: str
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     integrity: str
-    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ...) -> None: ...
+    event_sequence: int
+    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ...) -> None: ...
 
 class DumpTreeRequest(_message.Message):
     __slots__ = ("namespace", "max_depth")

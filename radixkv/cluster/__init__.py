@@ -1,0 +1,1 @@
+"""Beyond one node: etcd membership, the cluster-wide prefix index and the cache-aware router."""

@@ -1,0 +1,113 @@
+"""A replay over a cluster (`radixkv replay --nodes N` / `--router ADDR`): starting one on this
+machine, and the replay's view of it (geometry from the router, Stats summed over members).
+Which member each request goes to is radixkv.replay.routing's."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def service_flags(directory: str, block_size: int, capacity_blocks: int,
+                  policy: str, sink_fraction: float = 0.0) -> tuple[str, ...]:
+    """`radixkv serve` flags of a replay's service: a tiny layout written to `directory`.
+    `sink_fraction` > 0 gives the pool a sink region of that share, as a quantized pool with
+    sink tokens has (the tiny layout then stores int8)."""
+    config = os.path.join(directory, "config.json")
+    with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
+        json.dump({"num_hidden_layers": 1, "num_attention_heads": 1,
+                   "num_key_value_heads": 1, "head_dim": 2 if block_size == 1 else 1,
+                   "torch_dtype": "float16"}, f)
+    sinks = ("--kv-dtype", "int8", "--kv-sink-fraction", str(sink_fraction),
+             "--kv-sink-tokens", str(min(4, block_size - 1))) if sink_fraction else ()
+    return ("--model-config", config, "--block-size", str(block_size),
+            "--num-blocks", str(capacity_blocks), "--policy", policy, *sinks)
+
+
+@dataclass
+class ClusterRun:
+    """A replay over a cluster: its router, and the LocalCluster when the replay started it."""
+
+    router: str
+    local: Any = None
+    killed: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def start_cluster(nodes: int, block_size: int, capacity_blocks: int,
+                  policy: str = "lru") -> Iterator[Any]:
+    """etcd + `nodes` members of `capacity_blocks` each + a router, all on this machine
+    (radixkv.cluster.local); yields the LocalCluster once the router has indexed them all."""
+    from radixkv.cluster.local import local_cluster
+    from radixkv.cluster.routed import RouterClient
+
+    with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
+        flags = service_flags(directory, block_size, capacity_blocks, policy)
+        with local_cluster(nodes, *flags) as cluster:
+            with RouterClient(cluster.router) as rc:
+                rc.wait_members(nodes)
+            yield cluster
+
+
+class ClusterStats:
+    """The replay's view of a cluster: geometry from the router's member list, Stats summed
+    over the members that answer (a killed one drops out of the sums)."""
+
+    def __init__(self, router: str) -> None:
+        from radixkv.cluster.routed import RouterClient
+
+        self.router = RouterClient(router)
+        self.num_members = 0
+
+    def __enter__(self) -> ClusterStats:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.router.close()
+
+    def wait_ready(self) -> None:
+        self.num_members = len(self.router.wait_members(1)["members"])
+
+    def geometry(self) -> tuple[int, int, int]:
+        """(block size, blocks per member, bytes per block) of the first member."""
+        from radixkv.client import Client
+
+        m = self.router.members()["members"][0]
+        with Client(m["address"]) as kv:
+            info = kv.pool_info()
+        return m["block_size"], m["num_blocks"], info.layout.bytes_per_block
+
+    def stats(self, check_integrity: bool = False) -> dict[str, Any]:
+        from radixkv.client import Client
+        from radixkv.errors import RadixKVError
+
+        total: dict[str, Any] = {"namespaces": [], "integrity": ""}
+        by_ns: dict[str, dict[str, Any]] = {}
+        checks = []
+        for m in self.router.members()["members"]:
+            try:
+                with Client(m["address"], timeout=10) as kv:
+                    st = kv.stats(check_integrity)
+            except RadixKVError:
+                continue
+            for key, value in st.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+            for ns in st["namespaces"]:
+                acc = by_ns.setdefault(ns["namespace"], {"namespace": ns["namespace"]})
+                for key, value in ns.items():
+                    if isinstance(value, int) and key != "namespace":
+                        acc[key] = acc.get(key, 0) + value
+            checks.append(f"{m['node_id']} {st['integrity']}")
+        total["namespaces"] = list(by_ns.values())
+        if check_integrity:
+            ok = all(c.endswith(" ok") for c in checks)
+            total["integrity"] = "ok" if ok and checks else "; ".join(checks)
+        for key in ("cached_blocks", "evicted_blocks"):
+            total.setdefault(key, 0)
+        return total

@@ -1,0 +1,106 @@
+"""The cluster-wide prefix index (radixkv/cluster/index.py) and the hashes it is keyed by: pure,
+no etcd or servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv.cluster.etcd import EtcdTarget, prefix_end
+from radixkv.cluster.follower import snapshot_hashes
+from radixkv.cluster.index import ClusterIndex
+from radixkv.cluster.membership import MemberInfo, check_node_id
+from radixkv.errors import InvalidArgument
+from radixkv.events import EventLog, chain_hashes
+from radixkv.index.tree import RadixTree
+from radixkv.tokens import to_token_bytes
+
+BS = 4
+
+
+def toks(*ids: int) -> bytes:
+    return to_token_bytes(list(ids))
+
+
+def make_tree(*prompts: bytes) -> tuple[RadixTree, EventLog]:
+    tree, log = RadixTree(BS), EventLog(BS)
+    next_id = 0
+    for p in prompts:
+        n = len(p) // (4 * BS)
+        ids = tuple(range(next_id, next_id + n))
+        next_id += n
+        tree.insert(p, ids)
+        log.publish("ns", tree.take_events())
+    return tree, log
+
+
+def test_chain_hashes_are_the_events_hashes():
+    a = toks(*range(12))
+    b = toks(*range(8), 50, 51, 52, 53)
+    tree, log = make_tree(a, b)
+    events, _ = log.read(0)
+    stored = [h for ev in events for h in ev.block_hashes]
+    assert chain_hashes("ns", a, BS) + chain_hashes("ns", b, BS)[2:] == stored
+    assert chain_hashes("ns", b, BS)[:2] == chain_hashes("ns", a, BS)[:2]
+    assert chain_hashes("other", a, BS) != chain_hashes("ns", a, BS)  # namespaces never share
+    assert chain_hashes("ns", toks(1, 2, 3), BS) == []  # no whole block
+    # a DumpTree snapshot hashes to the same set
+    assert snapshot_hashes("ns", list(tree.nodes()), BS) == set(stored)
+
+
+def test_cached_blocks_walks_the_prefix():
+    idx = ClusterIndex()
+    h = [11, 12, 13, 14]
+    idx.stored("a", "ns", h[:3])
+    idx.stored("b", "ns", h[:2])
+    idx.stored("c", "ns", h[:1])
+    assert idx.cached_blocks("ns", h, ["a", "b", "c", "d"]) == {"a": 3, "b": 2, "c": 1, "d": 0}
+    assert idx.cached_blocks("other", h, ["a"]) == {"a": 0}
+    assert idx.cached_blocks("ns", [99] + h, ["a"]) == {"a": 0}
+    idx.removed("a", "ns", [13])
+    assert idx.cached_blocks("ns", h, ["a"]) == {"a": 2}
+    assert idx.size("a") == (2, 1)
+
+
+def test_replace_drop_and_clear_leave_nothing_behind():
+    idx = ClusterIndex()
+    idx.stored("a", "ns", [1, 2])
+    idx.stored("b", "ns", [1])
+    idx.replace("a", {"ns": {1}, "x": {7}})
+    assert idx.cached_blocks("ns", [1, 2], ["a", "b"]) == {"a": 1, "b": 1}
+    assert idx.member_blocks("a") == {"ns": {1}, "x": {7}}
+    idx.cleared("a", "x")
+    assert not idx.knows("x")
+    idx.drop("a")
+    idx.drop("b")
+    assert not idx.knows("ns") and idx.size("a") == (0, 0)
+    idx.removed("a", "ns", [1])  # unknown member or block: nothing to do
+
+
+@pytest.mark.parametrize("url, host, port, cluster", [
+    ("etcd://127.0.0.1:2379", "127.0.0.1", 2379, "default"),
+    ("127.0.0.1:2379/prod-a", "127.0.0.1", 2379, "prod-a"),
+    ("http://localhost:1234/", "localhost", 1234, "default"),
+])
+def test_etcd_target(url, host, port, cluster):
+    t = EtcdTarget.parse(url)
+    assert (t.host, t.port, t.cluster) == (host, port, cluster)
+    assert t.members_prefix == f"/radixkv/{cluster}/members/".encode()
+
+
+@pytest.mark.parametrize("url", ["etcd://127.0.0.1", "ftp://h:1", "etcd://h:1/a b"])
+def test_etcd_target_rejects(url):
+    with pytest.raises(InvalidArgument):
+        EtcdTarget.parse(url)
+
+
+def test_prefix_end_and_records():
+    assert prefix_end(b"/a/") == b"/a0"
+    assert prefix_end(b"a\xff") == b"b"
+    assert prefix_end(b"\xff") == b"\0"
+    info = MemberInfo("n0", "unix:///s", "e", 16, 64, 1024, "l", 1, 2.0)
+    assert MemberInfo.from_json(info.to_json()) == info
+    with pytest.raises(InvalidArgument, match="not a radixkv member record"):
+        MemberInfo.from_json(b'{"node_id": "x"}')
+    for bad in ("", "a b", "x" * 129, "a/b"):
+        with pytest.raises(InvalidArgument):
+            check_node_id(bad)
