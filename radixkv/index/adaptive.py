@@ -27,8 +27,9 @@ The state (p, the list sizes, the ghosts) is shared by the policies of every nam
 pool, so victims compare across trees: a key is (rank, tick) with rank 0 = dead, 1 = the list
 ARC takes from now, 2 = the other.
 
-Costs: add / remove / touch / pop O(log n) amortized (one lazy-deletion heap per list); ghost
-insert O(1) per eviction step, lookup O(1) per run that comes back.
+Costs: add / remove / touch / pop O(log n) amortized (one lazy-deletion heap per list: heapq
+runs in C, and nothing here needs ordered iteration or removal by rank, so no sorted
+container); ghost insert O(1) per eviction step, lookup O(1) per run that comes back.
 """
 
 from __future__ import annotations
