@@ -43,7 +43,7 @@ from radixkv.index.eviction import KEEP, SESSION_END, Evictable, EvictionPolicy
 T = TypeVar("T", bound=Evictable)
 
 DEAD, ONCE, TWICE = 0, 1, 2
-LINEAGE_ADMIT = 2  # earlier requests on the path that admit a new leaf to T2
+LINEAGE_ADMIT = 2  # nodes of its path where earlier requests ended that admit a leaf to T2
 _MIX = 0x9E3779B97F4A7C15  # spreads depths over the key's bits
 KEY_BYTES = 128  # a ghost key hashes at most this many bytes of a block (32 tokens)
 GHOST_FACTOR = 2  # each ghost list remembers up to this many x capacity_blocks blocks
