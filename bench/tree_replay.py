@@ -3,6 +3,8 @@
     python bench/tree_replay.py --trace ../shared/traces/mooncake/conversation_trace.jsonl \
         --block-size 512 --capacity-blocks 16384 [--json]
     python bench/tree_replay.py --trace synthetic --requests 2000 --block-size 16
+    python bench/tree_replay.py --trace T --block-size 512 --capacity-blocks C \
+        --policy adaptive [--hints] --json
     python bench/tree_replay.py --trace synthetic --eviction-sizes 1000,10000,100000
     python bench/tree_replay.py --scale [--scale-sizes 10000,100000,1000000,10000000] [--json]
 
@@ -10,6 +12,10 @@ Per request it follows radixkv.replay.simulate's contract (match, lock, evict wh
 unlock). After a warm-up replay it reports token hit rate (matched / prompt tokens), blocks
 evicted, requests/s and match / insert latency; then, in a separate pass under tracemalloc,
 the Python memory the tree uses per cached block (token bytes included, and shown apart).
+--against POLICY [--rounds N] also replays with POLICY, alternating the two N times in this
+process, and reports the median match / insert p50 of each and their ratio (policy / POLICY).
+--hints sends each request's retention hint derived from the trace (radixkv.replay.hints:
+client-supplied knowledge, it reads the future).
 --eviction-sizes measures evict() cost per block at several tree sizes, in steady state
 (each new request first evicts what it needs) and one block per call.
 --scale fills one tree with synthetic chats (no eviction) through each size in turn and there
@@ -32,8 +38,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from radixkv.index.eviction import POLICIES  # noqa: E402
+from radixkv.index.eviction import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from radixkv.index.tree import RadixTree  # noqa: E402
+from radixkv.replay.hints import trace_hints  # noqa: E402
 from radixkv.replay.simulate import replay_tree  # noqa: E402
 from radixkv.replay.workload import Request, generate_synthetic, iter_trace  # noqa: E402
 
@@ -151,7 +158,7 @@ def scale(args: argparse.Namespace, sizes: list[int], samples: int = 500) -> lis
 def eviction_cost(args: argparse.Namespace, size: int) -> dict[str, float]:
     """Fill a tree to `size` blocks with synthetic requests, then time evict() per block."""
     bb = 4 * args.block_size
-    tree = RadixTree(args.block_size, args.policy, record_events=False)
+    tree = RadixTree(args.block_size, make_policy(args.policy, size), record_events=False)
     next_id = 0
 
     def synthetic() -> Iterator[Request]:  # chunks with new seeds (and system prompts) as needed
@@ -193,6 +200,22 @@ def eviction_cost(args: argparse.Namespace, size: int) -> dict[str, float]:
     }
 
 
+def against(args: argparse.Namespace, hints: list[str | None] | None) -> dict[str, Any]:
+    """Median match / insert p50 of --policy and --against over --rounds alternating replays
+    (the order flips every round), and their ratios: load on a shared machine moves both."""
+    p50: dict[str, list[tuple[float, float]]] = {args.policy: [], args.against: []}
+    for i in range(args.rounds):
+        for policy in (args.policy, args.against)[:: 1 if i % 2 == 0 else -1]:
+            r = replay_tree(requests_of(args), args.block_size, args.capacity_blocks, policy,
+                            hints=hints if policy == args.policy else None)
+            p50[policy].append((r.match_us.p50, r.insert_us.p50))
+    mine, base = ([float(np.median([x[k] for x in p50[p]])) for k in (0, 1)]
+                  for p in (args.policy, args.against))
+    return {"policy": args.against, "rounds": args.rounds,
+            "match_p50_us": [mine[0], base[0]], "insert_p50_us": [mine[1], base[1]],
+            "match_p50_ratio": mine[0] / base[0], "insert_p50_ratio": mine[1] / base[1]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="synthetic", help="a trace file, or 'synthetic'")
@@ -200,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="replay at most this many")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--capacity-blocks", type=int, default=16384)
-    p.add_argument("--policy", choices=POLICIES, default="lru")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
+    p.add_argument("--hints", action="store_true",
+                   help="retention hints derived from the trace (client-supplied knowledge)")
+    p.add_argument("--against", choices=POLICIES, default=None,
+                   help="also time this policy, interleaved: p50 ratios policy / this")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each with --against (3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=200, help="requests replayed first, untimed")
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
@@ -217,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "capacity_blocks": args.capacity_blocks,
         "policy": args.policy,
+        "hints": args.hints,
     }
     if args.scale:
         out["scale"] = scale(args, [int(x) for x in args.scale_sizes.split(",")])
@@ -241,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     replay_tree(requests_of(args, args.warmup), args.block_size, args.capacity_blocks, args.policy)
+    hints = trace_hints(requests_of(args), args.block_size) if args.hints else None
     t0 = time.perf_counter()
-    r = replay_tree(requests_of(args), args.block_size, args.capacity_blocks, args.policy)
+    r = replay_tree(requests_of(args), args.block_size, args.capacity_blocks, args.policy,
+                    hints=hints)
     out |= {
         "requests": r.num_requests,
         "prompt_tokens": r.prompt_tokens,
@@ -257,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         "match_us": {"mean": r.match_us.mean, "p50": r.match_us.p50, "p99": r.match_us.p99},
         "insert_us": {"mean": r.insert_us.mean, "p50": r.insert_us.p50, "p99": r.insert_us.p99},
     }
+    if args.against:
+        out["against"] = against(args, hints)
     if not args.no_memory:
         out["memory"] = memory_per_block(args)
     if args.json:

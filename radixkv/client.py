@@ -33,6 +33,7 @@ from gpu_pool import PoolHandle, PoolMapping, attach
 from gpu_pool.layout import KVLayout
 from radixkv import errors
 from radixkv.errors import RadixKVError
+from radixkv.index.eviction import parse_hint
 from radixkv.index.tree import InsertResult, NodeView
 from radixkv.server.auth import call_credentials
 from radixkv.server.config import (
@@ -70,6 +71,20 @@ def to_error(e: grpc.RpcError) -> RadixKVError:
         err.code = code
         return err
     return cls(message)
+
+
+# radixkv.index.eviction's hint codes (the index) -> the proto enum (the same numbers)
+_HINT_PB = (pb.RETENTION_HINT_NONE, pb.RETENTION_HINT_SESSION_END, pb.RETENTION_HINT_KEEP)
+
+
+def _hint_codes(hints: Sequence[str | None] | None, count: int) -> list[pb.RetentionHint]:
+    """Retention hint names -> proto enum values; InvalidArgument for an unknown name or a
+    count mismatch."""
+    if hints is None:
+        return [_HINT_PB[0]] * count
+    if len(hints) != count:
+        raise errors.InvalidArgument(f"{len(hints)} retention hints for {count} items")
+    return [_HINT_PB[parse_hint(h)] for h in hints]
 
 
 def message_dict(msg: Message) -> dict[str, Any]:
@@ -289,27 +304,37 @@ class Client:
                           resp.epoch)
 
     def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],
-               lease_id: int, epoch: str = "", release: bool = False) -> InsertResult:
-        return self.insert_many([(namespace, tokens, block_ids, lease_id)], epoch, release)[0]
+               lease_id: int, epoch: str = "", release: bool = False,
+               hint: str | None = None) -> InsertResult:
+        return self.insert_many([(namespace, tokens, block_ids, lease_id)], epoch, release,
+                                [hint])[0]
 
     def insert_many(self, items: Sequence[tuple[str, Any, Sequence[int], int]],
-                    epoch: str = "", release: bool = False) -> list[InsertResult]:
+                    epoch: str = "", release: bool = False,
+                    hints: Sequence[str | None] | None = None) -> list[InsertResult]:
         """Commit written blocks, all items or none. `epoch`: the pool epoch the blocks were
         allocated and written under (LeaseMatch.epoch / Allocation.epoch); the service refuses
         them with StalePool if it restarted since, so no block of a dead pool gets cached.
-        `release`: end the items' leases in the same call (as `release` would)."""
+        `release`: end the items' leases in the same call (as `release` would). `hints`: None
+        or one retention hint per item ("session_end", "keep" or None; see `release`)."""
+        codes = _hint_codes(hints, len(items))
         req = pb.InsertRequest(client_id=self.client_id, items=[
             pb.InsertItem(namespace=ns, tokens=to_token_bytes(t), block_ids=to_token_bytes(ids),
-                          lease_id=lid, epoch=epoch, release=release)
-            for ns, t, ids, lid in items])
+                          lease_id=lid, epoch=epoch, release=release, hint=code)
+            for (ns, t, ids, lid), code in zip(items, codes, strict=True)])
         resp = self._call("Insert", req)
         return [InsertResult(ids_from_bytes(r.adopted), ids_from_bytes(r.duplicates),
                              r.num_cached_tokens)
                 for r in resp.results]
 
-    def release(self, *lease_ids: int) -> int:
-        """End leases; returns the number of leased-but-uninserted blocks freed."""
-        req = pb.ReleaseRequest(client_id=self.client_id, lease_ids=lease_ids)
+    def release(self, *lease_ids: int, hint: str | None = None) -> int:
+        """End leases; returns the number of leased-but-uninserted blocks freed. `hint`, for
+        every lease: what the engine knows of the session, for the eviction policy:
+        "session_end" (this prompt's unique tail will not be extended: evict it first) or
+        "keep" (the session continues)."""
+        codes = _hint_codes([hint] * len(lease_ids) if hint else None, len(lease_ids))
+        req = pb.ReleaseRequest(client_id=self.client_id, lease_ids=lease_ids,
+                                hints=codes if hint else ())
         return int(self._call("Release", req).num_freed)
 
     def keep_alive(self, *lease_ids: int, ttl: float = 0.0) -> float:
@@ -430,18 +455,21 @@ class Lease:
         return self.client.keep_alive(self.lease_id, ttl=ttl)
 
     def insert(self, tokens: Any, block_ids: Sequence[int],
-               release: bool = False) -> InsertResult:
-        """Commit written blocks; with `release`, end the lease in the same call."""
+               release: bool = False, hint: str | None = None) -> InsertResult:
+        """Commit written blocks; with `release`, end the lease in the same call. `hint`: see
+        `Client.release`."""
         result = self.client.insert(self.namespace, tokens, block_ids, self.lease_id,
-                                    self.epoch, release)
+                                    self.epoch, release, hint)
         self.released = self.released or release
         return result
 
-    def release(self) -> int:
+    def release(self, hint: str | None = None) -> int:
         if self.released:
             return 0
         self.released = True
-        return self.client.release(self.lease_id)
+        if hint is None:  # the plain call, as before hints existed
+            return self.client.release(self.lease_id)
+        return self.client.release(self.lease_id, hint=hint)
 
     def __enter__(self) -> Lease:
         return self

@@ -14,6 +14,9 @@ A request's life (each step is one call, each renews the lease's TTL):
     insert(L, ns, tokens, ids)-> new blocks adopted by the tree, duplicates freed; L pins the path
     release(L)                -> unpin; leased blocks never inserted are freed
 
+Insert and release take an optional retention hint per item / lease (`session_end`, `keep`:
+radixkv.index.eviction), which the tree gives the request's end node for the policy to use.
+
 A lease not used for its TTL (`lease_ttl_s`, or what Match / Allocate asked for, capped at
 `max_lease_ttl_s`) expires (the server's sweeper calls `expire_leases`): its pins are dropped and
 its leased blocks freed; a later call naming it gets LeaseExpired. `keep_alive` renews leases
@@ -54,6 +57,7 @@ from radixkv.errors import (
     PermissionDenied,
 )
 from radixkv.events import EventLog
+from radixkv.index.eviction import DEFAULT_POLICY, NO_HINT, parse_hint, policy_factory
 from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
@@ -72,7 +76,7 @@ class ServiceConfig:
     max_namespaces: int = 1024
     max_leases_per_client: int = 4096  # live leases one client_id may hold
     max_lease_ttl_s: float = 3600.0  # the longest TTL a call may ask for
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     event_buffer: int = 65536
     recent_window: int = 1000  # requests in the "recent" hit rate
 
@@ -214,6 +218,8 @@ class KVService:
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
         self._num_expired = 0
         self._ticks = itertools.count(1)  # one LRU clock for every namespace's tree
+        # one policy state for every namespace's tree: their victims compare
+        self._policies = policy_factory(self.config.policy, pool.num_blocks)
         # Lease ids: a random start per service life, so ids from an earlier start are unknown.
         self._lease_ids = itertools.count(secrets.randbits(62) + 1)
 
@@ -322,21 +328,26 @@ class KVService:
             return Allocation(lease.lease_id, tuple(ids), num_evicted, self.pool.epoch)
 
     def insert(
-        self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int]
+        self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int],
+        hint: str | int | None = None,
     ) -> InsertResult:
         """Commit `block_ids` (one per full block of `tokens`) into the namespace's tree. Each
         id must be leased to `lease_id` or be the id the tree already holds at that position.
-        Prefixes already cached are not adopted: those leased blocks return to the free list."""
-        return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)])[0][0]
+        Prefixes already cached are not adopted: those leased blocks return to the free list.
+        `hint`: a retention hint for the node where `tokens` end (RadixTree.hint)."""
+        return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)],
+                                hints=[hint])[0][0]
 
     def insert_many(
         self, owner: str, items: Sequence[tuple[int, str, bytes, Sequence[int]]],
-        release: Collection[int] = (),
+        release: Collection[int] = (), hints: Sequence[str | int | None] | None = None,
     ) -> tuple[list[InsertResult], dict[int, int]]:
         """`insert` for each (lease_id, namespace, tokens, block_ids), all or nothing: every
         item is checked against the state before the first one is applied, and a block id may
         be claimed by one item only. Then the leases in `release` (ids of these items) end as
-        `release` ends them. Returns the results and {released lease id: blocks freed}."""
+        `release` ends them. `hints`: None or one retention hint per item. Returns the results
+        and {released lease id: blocks freed}."""
+        codes = self._hints(hints, len(items))
         for _, namespace, tokens, block_ids in items:
             self._check_namespace(namespace)
             self._check_insert(tokens, block_ids)
@@ -349,8 +360,9 @@ class KVService:
                 raise InvalidArgument("an insert can only release the leases of its items")
             ending = set(release)
             results = [self._apply_insert(lease, tokens, block_ids,
-                                          pin=lease.lease_id not in ending)
-                       for lease, (_, _, tokens, block_ids) in zip(leases, items, strict=True)]
+                                          pin=lease.lease_id not in ending, hint=code)
+                       for lease, (_, _, tokens, block_ids), code
+                       in zip(leases, items, codes, strict=True)]
             freed = {lid: self._end_lease(self._leases[lid]) for lid in dict.fromkeys(release)}
             return results, freed
 
@@ -366,11 +378,16 @@ class KVService:
                 self._touch(lease)
             return min(lease.ttl_s for lease in leases)
 
-    def release(self, owner: str, lease_ids: Sequence[int]) -> int:
-        """End leases: unpin, free leased blocks never inserted. Returns blocks freed."""
+    def release(self, owner: str, lease_ids: Sequence[int],
+                hints: Sequence[str | int | None] | None = None) -> int:
+        """End leases: unpin, free leased blocks never inserted. `hints`: None or one
+        retention hint per lease id, for the end of what that lease pinned (its inserted path,
+        else its match). Returns blocks freed."""
+        codes = self._hints(hints, len(lease_ids))
         with self._lock:
+            hint_of = dict(zip(lease_ids, codes, strict=True))
             leases = [self._get_lease(owner, lid) for lid in dict.fromkeys(lease_ids)]
-            return sum(self._end_lease(lease) for lease in leases)
+            return sum(self._end_lease(lease, hint=hint_of[lease.lease_id]) for lease in leases)
 
     def clear(self, namespace: str) -> int:
         """Drop every cached block of `namespace` and the namespace itself; publishes
@@ -562,11 +579,21 @@ class KVService:
                 raise PermissionDenied(f"block {b} is not allocated to lease {lease.lease_id}")
             raise AlreadyExists(f"block {b} is already cached under another prefix")
 
+    @staticmethod
+    def _hints(hints: Sequence[str | int | None] | None, count: int) -> list[int]:
+        """One hint code per item (all NO_HINT for None); InvalidArgument on a bad one."""
+        if hints is None or not len(hints):
+            return [NO_HINT] * count
+        if len(hints) != count:
+            raise InvalidArgument(f"{len(hints)} retention hints for {count} items: give none "
+                                  "or one per item")
+        return [parse_hint(h) for h in hints]
+
     def _apply_insert(self, lease: _Lease, tokens: bytes, block_ids: Sequence[int],
-                      pin: bool = True) -> InsertResult:
+                      pin: bool = True, hint: int = NO_HINT) -> InsertResult:
         ns = self._namespaces[lease.namespace]
         self._touch(lease)
-        result = ns.tree.insert(tokens, block_ids)
+        result = ns.tree.insert(tokens, block_ids, hint)
         for b in result.adopted + result.duplicates:  # no longer the lease's
             del lease.owned[b]
             del self._lease_of_block[b]
@@ -601,7 +628,7 @@ class KVService:
         """The namespace, created if absent (callers checked the limit first)."""
         ns = self._namespaces.get(name)
         if ns is None:
-            tree = RadixTree(self.block_size, self.config.policy,
+            tree = RadixTree(self.block_size, self._policies(name),
                              clock=functools.partial(next, self._ticks))
             ns = _Namespace(name, tree)
             self._namespaces[name] = ns
@@ -643,8 +670,10 @@ class KVService:
     def _touch(self, lease: _Lease) -> None:
         lease.expires_at = self._clock() + lease.ttl_s
 
-    def _end_lease(self, lease: _Lease, expired: bool = False) -> int:
+    def _end_lease(self, lease: _Lease, expired: bool = False, hint: int = NO_HINT) -> int:
         ns = self._namespaces[lease.namespace]
+        if hint != NO_HINT and lease.handles:  # the last handle pins the deepest path
+            ns.tree.hint(lease.handles[-1], hint)
         for handle in lease.handles:
             ns.tree.unlock(handle)
         freed = list(lease.owned)
@@ -668,11 +697,11 @@ class KVService:
         return len(freed)
 
     def _make_room(self, num_blocks: int, keep: _Namespace | None = None, sinks: int = 0) -> int:
-        """Evict until `num_blocks` are free, `sinks` of them sink blocks, least recently used
-        leaf first across all namespaces (their trees share one clock, so their victims
-        compare). Raises OutOfBlocks, evicting nothing, when even that cannot make room (a
-        search for a sink block keeps what it evicted). Namespaces left empty are dropped,
-        except `keep` (about to get a lease)."""
+        """Evict until `num_blocks` are free, `sinks` of them sink blocks, the policy's first
+        victim first across all namespaces (their trees share one clock and policy state, so
+        their victims compare). Raises OutOfBlocks, evicting nothing, when even that cannot
+        make room (a search for a sink block keeps what it evicted). Namespaces left empty are
+        dropped, except `keep` (about to get a lease)."""
         evicted = 0
         while self.pool.num_free_sink < min(sinks, self.pool.num_sink_blocks):
             try:

@@ -72,3 +72,18 @@ def test_ttft_and_accuracy_benches_on_the_real_model(smollm2):
     assert set(row) >= {"kv_dtype", "context", "ppl_reference", "ppl_pool", "delta_ppl_pct",
                         "max_abs_logit_diff"}
     assert (row["kv_dtype"], row["context"]) == ("fp32", 64)
+
+
+def test_policy_gap_rows():
+    traces = BENCH.parent / ".." / "shared" / "traces" / "mooncake"
+    if not traces.is_dir():
+        pytest.skip(f"Mooncake traces not found at {traces}")
+    out = json.loads(run(str(BENCH / "policy_gap.py"), "--traces",
+                         str(traces / "conversation_trace.jsonl"), "--capacities", "64",
+                         "--limit", "150", "--plot", "", "--json"))
+    rows = {r["policy"]: r for r in out["rows"]}
+    assert list(rows) == ["lru", "lfu", "adaptive", "adaptive+hints", "belady"]
+    assert set(rows["lru"]) == {"trace", "capacity_blocks", "policy", "token_hit_rate",
+                                "gap_closed"}
+    assert rows["lru"]["gap_closed"] == 0 and rows["belady"]["gap_closed"] == 1
+    assert all(r["token_hit_rate"] <= rows["belady"]["token_hit_rate"] for r in out["rows"])

@@ -3,7 +3,8 @@
 - The optimum on hand-made traces, with exact hits, and its bounds (LRU <= MIN <= ceiling).
 - The service replay with 1 client equals replay_tree request by request on slices of both
   Mooncake traces (block_size 512, capacities that force evictions, one that forces dropped
-  blocks), with every hit's bytes verified.
+  blocks), with every hit's bytes verified: with LRU, with `adaptive`, and with `adaptive` and
+  the retention hints derived from the trace.
 - With several clients, verification still finds 0 mismatches; against a running server
   (--target); the CLI's JSON and plots.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from _server import running_server
 
+from radixkv.replay.hints import trace_hints
 from radixkv.replay.optimum import NEVER, belady, ceiling, next_uses
 from radixkv.replay.runner import block_keys, render_report, run_replay
 from radixkv.replay.simulate import replay_tree
@@ -86,14 +88,19 @@ def test_block_keys() -> None:
 
 
 @needs_traces
+@pytest.mark.parametrize(("policy", "hints"), [("lru", False), ("adaptive", False),
+                                              ("adaptive", True)])
 @pytest.mark.parametrize(("name", "capacity"), [
     ("conversation_trace.jsonl", 512),
     ("synthetic_trace.jsonl", 200),  # prompts up to 374 blocks: some cannot be cached whole
 ])
-def test_one_client_equals_replay_tree(name: str, capacity: int) -> None:
+def test_one_client_equals_replay_tree(name: str, capacity: int, policy: str,
+                                       hints: bool) -> None:
     requests = load_trace(TRACES / name, 250)
-    r = run_replay(requests, block_size=512, capacity_blocks=capacity, clients=1)
-    tree = replay_tree(requests, 512, capacity, keep_per_request=True)
+    r = run_replay(requests, block_size=512, capacity_blocks=capacity, clients=1,
+                   policy=policy, hints=hints)
+    tree = replay_tree(requests, 512, capacity, policy, keep_per_request=True,
+                       hints=trace_hints(requests, 512) if hints else None)
     assert r.per_request_hit_tokens == tree.per_request_hit_tokens
     assert r.hit_tokens == tree.hit_tokens == r.server_hit_tokens > 0
     assert r.evicted_blocks == tree.num_evicted_blocks > 0

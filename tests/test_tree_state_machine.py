@@ -3,7 +3,10 @@
 The model is a dict from cached block prefixes (tuples of block codes) to a per-block entry:
 block id, lock count, hits and the logical tick of the last touch. It knows nothing of edges or
 splits. Eviction in the model is per block: the unlocked childless prefix with the smallest key
-goes first (LRU: tick; LFU: hits, then tick), which the tree must reproduce exactly.
+goes first (LRU: tick; LFU: hits, then tick), which the tree must reproduce exactly. The
+adaptive policy's order depends on its own state (target split, ghosts, hints), so there the
+model checks that each evicted block was an unlocked childless prefix when it went. Retention
+hints are given on inserts and held handles with every policy (LRU and LFU ignore them).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ BS = 4
 BLOCK_TOKENS = {0: (0, 0, 0, 0), 1: (0, 0, 0, 1), 2: (1, 0, 0, 0), 3: (2, 2, 2, 2)}
 TOKEN_BLOCK = {to_token_bytes(list(v)): k for k, v in BLOCK_TOKENS.items()}
 
+hints = st.sampled_from([None, "session_end", "keep"])
 prompts = st.tuples(
     st.lists(st.integers(0, 3), max_size=7).map(tuple),  # block codes
     st.lists(st.integers(0, 3), max_size=BS - 1),  # partial tail tokens
@@ -84,14 +88,14 @@ class TreeMachine(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------------------------
 
-    @rule(prompt=prompts, reuse=st.lists(st.booleans(), min_size=7, max_size=7))
-    def insert(self, prompt: tuple[Prefix, list[int]], reuse: list[bool]) -> None:
+    @rule(prompt=prompts, reuse=st.lists(st.booleans(), min_size=7, max_size=7), hint=hints)
+    def insert(self, prompt: tuple[Prefix, list[int]], reuse: list[bool], hint: str | None) -> None:
         blocks, tail = prompt
         m = self.matched(blocks)
         ids = [self.model[blocks[: i + 1]].block_id if reuse[i] else -1 for i in range(m)]
         ids = [b if b >= 0 else self.fresh_id() for b in ids]
         ids += [self.fresh_id() for _ in range(len(blocks) - m)]
-        res = self.tree.insert(key_of(blocks, tail), ids)
+        res = self.tree.insert(key_of(blocks, tail), ids, hint)
         dups = tuple(b for i, b in enumerate(ids[:m]) if not reuse[i])
         assert res == InsertResult(tuple(ids[m:]), dups, m * BS)
         self.free_ids += dups
@@ -152,8 +156,26 @@ class TreeMachine(RuleBasedStateMachine):
         for i in range(1, len(prefix) + 1):
             self.model[prefix[:i]].locks -= 1
 
+    @precondition(lambda self: len(self.held) > 0)
+    @rule(pick=st.integers(0, 10**6), hint=hints)
+    def hint_held(self, pick: int, hint: str | None) -> None:
+        self.tree.hint(self.held[pick % len(self.held)][0], hint)  # no change the model sees
+
+    def is_victim(self, p: Prefix) -> bool:
+        return self.model[p].locks == 0 and not any(p + (c,) in self.model for c in BLOCK_TOKENS)
+
     @rule(num_blocks=st.integers(0, 12))
     def evict(self, num_blocks: int) -> None:
+        if self.policy == "adaptive":
+            freed = self.tree.evict(num_blocks)
+            where = {e.block_id: p for p, e in self.model.items()}
+            for b in freed:
+                assert self.is_victim(where[b]), f"block {b} was not an evictable leaf"
+                del self.model[where[b]]
+            assert len(freed) == min(num_blocks, sum(e.locks == 0 for e in self.model.values())
+                                     + len(freed))
+            self.free_ids += freed
+            return
         expected = []
         while len(expected) < num_blocks:
             leaves = [
@@ -212,5 +234,10 @@ class LFUTreeMachine(TreeMachine):
     policy = "lfu"
 
 
+class AdaptiveTreeMachine(TreeMachine):
+    policy = "adaptive"
+
+
 TestTreeLRU = TreeMachine.TestCase
 TestTreeLFU = LFUTreeMachine.TestCase
+TestTreeAdaptive = AdaptiveTreeMachine.TestCase

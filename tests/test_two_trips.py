@@ -82,3 +82,28 @@ def test_two_trips_over_grpc_match_the_four_call_path():
             assert kv.stats(check_integrity=True)["integrity"] == "ok"
     assert outcomes[2] == outcomes[4]
     assert outcomes[2][1:] == (8, 32)
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("adaptive", "b"), ("lru", "c")])
+def test_retention_hints_over_grpc(policy, kept):
+    """Insert's hint (two trips) and Release's hint (four calls) reach the policy: `adaptive`
+    evicts both hinted sessions first; LRU ignores hints and evicts the oldest."""
+    def prompt(base):
+        return list(range(base, base + 16))  # 4 full blocks
+
+    with running_server("--policy", policy, num_blocks=16) as s, Client(s.socket) as kv:
+        with kv.lease("b", prompt(0), store_tokens=STORE_ALL) as lease:  # oldest, no hint
+            lease.insert(prompt(0), lease.new_block_ids, release=True)
+        with kv.lease("a", prompt(100), store_tokens=STORE_ALL) as lease:
+            lease.insert(prompt(100), lease.new_block_ids, release=True, hint="session_end")
+        lease = kv.lease("c", prompt(200))
+        lease.insert(prompt(200), lease.allocate(4))
+        with pytest.raises(errors.InvalidArgument, match="unknown retention hint"):
+            lease.client.release(lease.lease_id, hint="later")
+        lease.release(hint="session_end" if policy == "adaptive" else None)
+        new = kv.allocate(12, namespace="d")  # 4 free: 8 evicted
+        assert new.num_evicted == 8
+        cached = {ns: kv.match(ns, prompt(base)).num_tokens
+                  for ns, base in (("a", 100), ("b", 0), ("c", 200))}
+        assert cached == {"a": 0, "b": 0, "c": 0, kept: 16}
+        assert kv.stats(check_integrity=True)["integrity"] == "ok"

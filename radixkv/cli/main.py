@@ -11,7 +11,7 @@ from typing import Any
 
 from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
 from radixkv.errors import InvalidArgument, RadixKVError
-from radixkv.index.eviction import POLICIES
+from radixkv.index.eviction import DEFAULT_POLICY, POLICIES
 
 
 def positive_int(text: str) -> int:
@@ -248,8 +248,8 @@ def _add_serve(sub: Any) -> None:
                    help="the longest lease TTL a client may ask for (3600)")
     g.add_argument("--max-leases-per-client", type=positive_int, default=4096, metavar="N",
                    help="live leases one client id may hold (4096)")
-    g.add_argument("--policy", default="lru", choices=POLICIES,
-                   help="eviction policy (default lru)")
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES,
+                   help=f"eviction policy (default {DEFAULT_POLICY})")
     g.add_argument("--max-tokens", type=positive_int, default=1 << 20,
                    help="longest token list accepted")
     g.add_argument("--vocab-size", type=positive_int, default=None,

@@ -2,8 +2,10 @@
 
 The tree owns the evictable-leaf set (unlocked, childless, non-root nodes) and keeps a policy in
 step with it: `add` when a node becomes an evictable leaf, `remove` when it stops being one,
-`touch` after its key fields (`tick`, `hits`) changed while it is in the set, `pop` for the next
-victim. A policy never scans the tree. Both policies here are a binary heap with lazy deletion:
+`touch` after its key fields (`tick`, `hits`, `hint`, its size) changed while it is in the set,
+`pop` for the next victim; `admit` before a new leaf's `add` and `evicted` before a popped leaf
+loses blocks let a policy learn from insertions and evictions (radixkv.index.adaptive). A policy
+never scans the tree. LRU and LFU here are a binary heap with lazy deletion:
 a re-keyed or removed item leaves a stale heap entry that `pop` skips (an entry is live only while
 it is the one stored for its node id), and the heap is rebuilt when stale entries outnumber live
 ones, so every operation is O(log n) amortized.
@@ -13,9 +15,27 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 from radixkv.errors import InvalidArgument
+
+# Retention hints a client may attach to a request (Insert / Release): what it knows about the
+# session's future. NO_HINT is the default; a hint stays on its nodes until their next hit.
+NO_HINT, SESSION_END, KEEP = 0, 1, 2
+HINTS: dict[str, int] = {"": NO_HINT, "none": NO_HINT, "session_end": SESSION_END, "keep": KEEP}
+
+
+def parse_hint(hint: str | int | None) -> int:
+    """A hint's code from its name ("session_end", "keep", "" / "none") or code; InvalidArgument
+    for anything else."""
+    if hint is None:
+        return NO_HINT
+    if isinstance(hint, int) and hint in HINTS.values():
+        return hint
+    if isinstance(hint, str) and hint in HINTS:
+        return HINTS[hint]
+    raise InvalidArgument(f"unknown retention hint {hint!r}; choose session_end, keep or none")
 
 
 class Evictable(Protocol):
@@ -27,6 +47,16 @@ class Evictable(Protocol):
     def tick(self) -> int: ...  # logical time of the last touch (monotonic)
     @property
     def hits(self) -> int: ...  # times the node was locked by a match
+    @property
+    def hint(self) -> int: ...  # the client's retention hint (NO_HINT, SESSION_END, KEEP)
+    @property
+    def depth(self) -> int: ...  # blocks from the root to the end of the node's edge
+    @property
+    def tokens(self) -> bytes: ...  # the edge's tokens (whole blocks)
+    @property
+    def block_ids(self) -> Any: ...  # the edge's block ids (len() = its blocks)
+    promoted: bool  # the policy's own mark (adaptive: admitted to the frequent list)
+    ends: int  # requests whose prompt ended at this node's end
 
 
 T = TypeVar("T", bound=Evictable)
@@ -62,6 +92,19 @@ class EvictionPolicy(ABC, Generic[T]):
 
     @abstractmethod
     def __contains__(self, item: T) -> bool: ...
+
+    def admit(self, item: T, lineage: int) -> None:
+        """Called once for a new leaf, before its `add`: `lineage` nodes of its path are where
+        earlier requests ended (a conversation's later turn extends its earlier turns).
+        Default: nothing."""
+
+    def evicted(self, item: T, keep: int) -> None:
+        """Called after `pop` returned `item` and before its blocks [keep:] go. Default:
+        nothing."""
+
+    def ghost_size(self) -> int:
+        """Evicted-block entries the policy remembers (bounded; 0 for policies without)."""
+        return 0
 
 
 class _HeapPolicy(EvictionPolicy[T]):
@@ -133,15 +176,31 @@ class LFUPolicy(_HeapPolicy[T]):
         return (item.hits, item.tick, item.node_id, item)
 
 
-_REGISTRY: dict[str, type[_HeapPolicy[Any]]] = {p.name: p for p in (LRUPolicy, LFUPolicy)}
-POLICIES: tuple[str, ...] = tuple(_REGISTRY)
+PolicyFactory = Callable[[str], EvictionPolicy[Any]]
 
 
-def make_policy(name: str) -> EvictionPolicy[Any]:
-    """A new, empty policy by name (one of POLICIES)."""
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
+def policy_factory(name: str, capacity_blocks: int | None = None) -> PolicyFactory:
+    """Makes the policies of trees that evict against one pool (a service's namespaces):
+    factory(namespace) is a new, empty policy; their victims' keys compare across trees (with
+    a shared clock), and an adaptive policy's state (target split, ghosts) is shared.
+    `capacity_blocks`: the pool's size, which bounds the adaptive ghost list."""
+    from radixkv.index.adaptive import AdaptiveState
+
+    if name == "adaptive":
+        state = AdaptiveState(capacity_blocks)
+        return state.new_policy
+    if name not in _REGISTRY:
         raise InvalidArgument(
-            f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}"
-        ) from None
+            f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")
+    cls = _REGISTRY[name]
+    return lambda namespace: cls()
+
+
+def make_policy(name: str, capacity_blocks: int | None = None) -> EvictionPolicy[Any]:
+    """A new, empty policy by name (one of POLICIES) for one tree."""
+    return policy_factory(name, capacity_blocks)("")
+
+
+_REGISTRY: dict[str, type[_HeapPolicy[Any]]] = {p.name: p for p in (LRUPolicy, LFUPolicy)}
+POLICIES: tuple[str, ...] = (*_REGISTRY, "adaptive")
+DEFAULT_POLICY = "adaptive"

@@ -11,7 +11,9 @@ A trailing partial block is never cached. Every node has a lock count (path-wide
 node and all its ancestors), a hit count, and a logical tick of its last touch; a touch stamps
 the whole path with one tick, so a parent's tick is never older than its children's. Eviction
 trims blocks from the tail of the unlocked leaf that the policy picks (LRU: oldest tick), which
-is exactly per-block leaf eviction in a tree of 1-block nodes. Nothing here does I/O.
+is exactly per-block leaf eviction in a tree of 1-block nodes. A node also counts the requests
+whose prompt ended at its end (`ends`, for the adaptive policy's lineage) and carries the
+client's retention hint (`session_end`, `keep`) until its next hit. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import IntegrityError, InvalidArgument
-from radixkv.index.eviction import EvictionPolicy, make_policy
+from radixkv.index.eviction import (
+    NO_HINT,
+    SESSION_END,
+    EvictionPolicy,
+    make_policy,
+    parse_hint,
+)
 from radixkv.tokens import TokensLike, block_bytes, num_tokens, to_token_bytes
 
 
@@ -91,6 +99,9 @@ class _Node:
         "hits",
         "tick",
         "last_access",
+        "hint",
+        "promoted",
+        "ends",
     )
 
     def __init__(
@@ -113,6 +124,9 @@ class _Node:
         self.hits = 0
         self.tick = tick
         self.last_access = now
+        self.hint = NO_HINT  # the client's retention hint, until the next hit
+        self.promoted = False  # the policy's own mark
+        self.ends = 0  # requests whose prompt ended exactly here
 
 
 class _Handle:
@@ -139,7 +153,9 @@ class RadixTree:
         clock: Callable[[], int] | None = None,
     ) -> None:
         """`clock` gives the logical ticks that order touches; trees that share one (a service
-        with several namespaces) can compare their victims with `next_victim_key()`."""
+        with several namespaces) can compare their victims with `next_victim_key()`. `policy`:
+        a name (a bare tree defaults to "lru"; the service and the tools default to
+        eviction.DEFAULT_POLICY, sized to their pool) or a new policy instance."""
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
         self._block_size = block_size
@@ -256,7 +272,9 @@ class RadixTree:
                 if not node.children:
                     self._policy.remove(node)
             node.lock_count += 1
-            node.hits += hit
+            if hit:
+                node.hits += 1
+                node.hint = NO_HINT
             node.tick, node.last_access = tick, now
             node = node.parent
         h.num_locks += 1
@@ -280,12 +298,15 @@ class RadixTree:
                     self._policy.add(node)
             node = node.parent
 
-    def insert(self, tokens: TokensLike, block_ids: Sequence[int]) -> InsertResult:
+    def insert(self, tokens: TokensLike, block_ids: Sequence[int],
+               hint: str | int | None = None) -> InsertResult:
         """Cache the full blocks of `tokens`; block_ids[i] holds block i. For the prefix that is
         already cached, an id equal to the cached one is skipped and a different one is returned
-        in `duplicates`; the rest are adopted as a new leaf. Touches the whole path.
-        InvalidArgument (tree unchanged) for a count mismatch, a negative or repeated id, or an
-        id cached at another position."""
+        in `duplicates`; the rest are adopted as a new leaf. Touches the whole path, counts the
+        request's end on the node where it ends, and gives that node `hint` (see `hint`).
+        InvalidArgument (tree unchanged) for a count mismatch, a negative or repeated id, an id
+        cached at another position, or an unknown hint."""
+        code = parse_hint(hint)
         key, bb = to_token_bytes(tokens), self._block_bytes
         num_blocks, given = len(key) // bb, list(block_ids)
         if len(given) != num_blocks:
@@ -319,6 +340,12 @@ class RadixTree:
         if k < len(node.block_ids):
             node = self._split(node, k)
         tick, now = self._next_tick(), time.time()
+        deepest, lineage = node, 0
+        while node is not self._root:  # touch the path; count the earlier requests on it
+            node.tick, node.last_access = tick, now
+            lineage += node.ends > 0
+            node = node.parent
+        node = deepest
         if new:
             if not node.children and node is not self._root and node.lock_count == 0:
                 self._policy.remove(node)  # stops being a leaf
@@ -336,6 +363,7 @@ class RadixTree:
             for b in new:
                 held[b] = 1
             self._num_cached += len(new)
+            self._policy.admit(leaf, lineage)
             self._policy.add(leaf)
             self._num_nodes += 1
             self._num_inserted += len(new)
@@ -344,13 +372,38 @@ class RadixTree:
             if self._events is not None:
                 parent_block = node.block_ids[-1] if node is not self._root else None
                 self._events.append(BlockStored(tuple(new), parent_block, leaf.tokens))
-        deepest = node
-        while node is not self._root:
-            node.tick, node.last_access = tick, now
-            node = node.parent
-        if not new:
+            deepest = leaf
+        elif deepest is not self._root:
             self._policy.touch(deepest)
+        if deepest is not self._root:
+            deepest.ends += 1
+            if code:
+                self._give_hint(deepest, code)
         return InsertResult(tuple(new), tuple(duplicates), m * self._block_size)
+
+    def hint(self, handle: object, hint: str | int | None) -> None:
+        """Give the end of a match handle's path a retention hint, which the `adaptive` policy
+        uses (others ignore it) until that node's next hit: `session_end` (the prompt's unique
+        tail, i.e. that node and its ancestors up to the first one with other children, will
+        not be extended: evict it first), `keep` (the session continues: keep it with the
+        frequently used), or none. Changes no lock, tick or structure."""
+        code = parse_hint(hint)
+        h = self._check_handle(handle)
+        if h.node is not self._root and (h.num_locks or h.version == self._version):
+            node = h.node  # an unlocked stale handle's node may have been evicted or split
+            if h.num_blocks == len(node.block_ids) or h.num_locks:
+                self._give_hint(node, code)
+
+    def _give_hint(self, node: _Node, code: int) -> None:
+        if code == NO_HINT:
+            return
+        node.hint = code
+        self._policy.touch(node)
+        if code == SESSION_END:
+            parent = node.parent
+            while parent is not self._root and len(parent.children) == 1:
+                parent.hint = code  # not a leaf: not in the policy
+                parent = parent.parent
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to `num_blocks` unlocked blocks, tail-first from the leaf the policy picks; a
@@ -363,6 +416,7 @@ class RadixTree:
         while len(freed) < num_blocks and len(policy):
             node = policy.pop()
             keep = max(0, len(node.block_ids) - (num_blocks - len(freed)))
+            policy.evicted(node, keep)
             gone = node.block_ids[keep:]
             gone.reverse()
             freed += gone
@@ -435,6 +489,7 @@ class RadixTree:
         )
         self._next_id += 1
         front.lock_count, front.hits = node.lock_count, node.hits
+        front.hint, front.promoted = node.hint, node.promoted
         parent.children[node.tokens[:bb]] = front
         node.tokens, node.block_ids = node.tokens[k * bb :], node.block_ids[k:]
         node.parent = front
@@ -442,6 +497,7 @@ class RadixTree:
         self._num_nodes += 1
         self._add_depth(front.depth)
         self._version += 1
+        self._policy.touch(node)  # it holds fewer blocks now
         return front
 
     def _check_handle(self, handle: object) -> _Handle:

@@ -7,8 +7,10 @@ Per request (a job from the shared queue, in trace order):
     Allocate(lease, rest)        -> new blocks; on OutOfBlocks, as many as are free or
                                     evictable (Stats), as replay_tree takes what it can have
     write keys into the blocks   -> first 8 bytes of each: block_keys() of its prefix
-    Insert(ns, tokens, ids)      -> skipped when no block is new (it would change no order)
-    Release(lease)
+    Insert(ns, tokens, ids)      -> every request with a full block, even when none is new: it
+                                    counts the request's end (the adaptive policy's lineage)
+    Release(lease)                  and carries the request's retention hint, if the replay has
+                                    hints (else Release does)
 
 Each full block's key is a 64-bit chained hash of namespace + token prefix (blake2b), so a hit
 block that holds anything but its own prefix's bytes is a mismatch.
@@ -168,14 +170,15 @@ def _client_loop(args: ClientArgs, members: Any, jobs: Any, done: Any,
         "dropped", "route_ns", "node")}
     check = Verification()
     while (job := jobs.get()) is not None:
-        index, namespace, tokens, due_ms, key_bytes = job
+        index, namespace, tokens, due_ms, key_bytes, hint = job
         if args.speed and due_ms is not None:
             delay = t0 + due_ms / 1e3 / args.speed - time.time()
             if delay > 0:
                 time.sleep(delay)
         keys = np.frombuffer(key_bytes, dtype="<u8")
         request = functools.partial(_request, args, check=check, index=index,
-                                    namespace=namespace, tokens=tokens, keys=keys)
+                                    namespace=namespace, tokens=tokens, keys=keys,
+                                    hint=hint)
         row, route_ns, node = members.run(index, namespace, tokens, keys, request)
         row.update(index=index, route_ns=route_ns, node=node)
         for key, value in row.items():
@@ -199,7 +202,7 @@ class Verification:
 
 def _request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verification,
              index: int, namespace: str, tokens: bytes,
-             keys: np.ndarray[Any, Any]) -> dict[str, int]:
+             keys: np.ndarray[Any, Any], hint: str | None = None) -> dict[str, int]:
     """One request against one service, as an engine drives it; returns its record. The
     verification counts are added only once the request completed (a retried request
     counts once)."""
@@ -232,16 +235,17 @@ def _request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verif
             t = clock()
             new = _allocate(kv, m.lease_id, min(need, args.capacity_blocks))
             alloc_ns = clock() - t
-        if new:
-            if pool is not None:
-                pool.write(new, keys[matched : matched + len(new)])
+        if new and pool is not None:
+            pool.write(new, keys[matched : matched + len(new)])
+        inserted = bool(new or matched)
+        if inserted:
             t = clock()
             kv.insert(namespace, tokens[: (matched + len(new)) * bb], m.block_ids + new,
-                      m.lease_id, m.epoch, release=two)
+                      m.lease_id, m.epoch, release=two, hint=hint)
             insert_ns = clock() - t
-        if not (new and two):
+        if not (inserted and two):
             t = clock()
-            kv.release(m.lease_id)
+            kv.release(m.lease_id, hint=None if inserted else hint)
             release_ns = clock() - t
     check.verified += verified
     check.mismatches += mismatches

@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,11 @@ from typing import Any
 import numpy as np
 
 from radixkv.errors import InvalidArgument, RadixKVError
+from radixkv.index.eviction import DEFAULT_POLICY
+from radixkv.index.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.replay.client import ClientArgs, block_keys, client_main
 from radixkv.replay.cluster import ClusterRun, ClusterStats, service_flags, start_cluster
+from radixkv.replay.hints import trace_hints
 from radixkv.replay.report import (
     Cluster,
     Latency,
@@ -83,7 +86,8 @@ MOONCAKE_BLOCK_SIZE = 512
 
 @contextlib.contextmanager
 def start_service(
-    block_size: int, capacity_blocks: int, policy: str = "lru", sink_fraction: float = 0.0,
+    block_size: int, capacity_blocks: int, policy: str = DEFAULT_POLICY,
+    sink_fraction: float = 0.0,
 ) -> Iterator[str]:
     """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
     `sink_fraction` > 0 gives the pool a sink region of that share, as a quantized pool with
@@ -98,7 +102,7 @@ def start_service(
 
 
 def _feed(requests: Iterable[Request], block_size: int, prefix: str, jobs: Any, clients: int,
-          trace: TraceLog, stop: threading.Event) -> None:
+          trace: TraceLog, stop: threading.Event, hints: list[str | None] | None) -> None:
     def put(item: Any) -> bool:
         while not stop.is_set():
             try:
@@ -120,7 +124,8 @@ def _feed(requests: Iterable[Request], block_size: int, prefix: str, jobs: Any, 
             trace.prompt_tokens.append(req.num_tokens)
             trace.timestamps_ms.append(due)
             trace.keys.append(keys.tolist())
-            if not put((index, namespace, req.tokens, due, keys.tobytes())):
+            hint = hints[index] if hints is not None else None
+            if not put((index, namespace, req.tokens, due, keys.tobytes(), hint)):
                 return
     except BaseException as e:  # a bad trace line: stop the clients, report it
         trace.error = e
@@ -155,6 +160,7 @@ class ReplayOptions:
     round_trips: int = 2  # per request: 2 (Match allocates, Insert releases) or 4
     routing: str = "cache-aware"  # over a cluster: radixkv.replay.routing
     kill_member_after: int | None = None  # SIGKILL one member after this many requests
+    hints: bool = False  # send retention hints derived from the trace (radixkv.replay.hints)
 
 
 def run_replay(
@@ -164,7 +170,7 @@ def run_replay(
     block_size: int = 16,
     capacity_blocks: int = 16384,
     clients: int = 4,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     limit: int | None = None,
     speed: float = 0.0,
     verify: bool = True,
@@ -179,6 +185,7 @@ def run_replay(
     routing: str = "cache-aware",
     kill_member_after: int | None = None,
     reference: bool = False,
+    hints: bool = False,
 ) -> ReplayReport:
     """Replay `requests` (Requests, or a Mooncake / token JSONL path, streamed) against the
     service at `target`, or against one started for the run with `block_size`,
@@ -189,7 +196,9 @@ def run_replay(
     router (`router`: use a running cluster's router instead); each request goes to the member
     `routing` picks (radixkv.replay.routing). `kill_member_after`: SIGKILL member n0 (of a
     cluster started here) once that many requests are done. `reference`: also replay the trace
-    on one node of nodes x capacity_blocks, the figure the cluster should approach."""
+    on one node of nodes x capacity_blocks, the figure the cluster should approach. `hints`:
+    send each request's retention hint derived from the trace's future (client-supplied
+    knowledge; one extra pass over the trace first)."""
     if clients < 1:
         raise InvalidArgument(f"clients must be >= 1, got {clients}")
     if round_trips not in (2, 4):
@@ -208,7 +217,7 @@ def run_replay(
     opts = ReplayOptions(
         trace_name or (str(requests) if isinstance(requests, str | Path) else "requests"),
         clients, policy, speed, verify, prefill_tokens_per_s, num_windows, progress,
-        _count_requests(requests, limit), round_trips, routing, kill_member_after)
+        _count_requests(requests, limit), round_trips, routing, kill_member_after, hints)
 
     if not isinstance(requests, str | Path):  # a path is streamed; others kept (reference)
         requests = list(itertools.islice(requests, limit))
@@ -217,39 +226,44 @@ def run_replay(
     def source() -> Iterable[Request]:
         return iter_trace(requests, limit) if isinstance(requests, str | Path) else requests
 
+    again = source if hints else None  # a second reading of the trace, for the hints
     if router is not None:
-        return _run(source(), "", None, opts, ClusterRun(router))
+        return _run(source(), "", None, opts, ClusterRun(router), again)
     if block_size < 1 or capacity_blocks < 1:
         raise InvalidArgument("block_size and capacity_blocks must be >= 1")
     if nodes:
         with start_cluster(nodes, block_size, capacity_blocks, policy) as local:
             report = _run(source(), "", (block_size, capacity_blocks), opts,
-                          ClusterRun(local.router, local))
+                          ClusterRun(local.router, local), again)
         if reference:
             ref = run_replay(requests, block_size=block_size,
                              capacity_blocks=capacity_blocks * nodes, clients=clients,
                              policy=policy, speed=speed, verify=verify, round_trips=round_trips,
                              prefill_tokens_per_s=prefill_tokens_per_s, num_windows=num_windows,
-                             progress=progress, trace_name=trace_name)
+                             progress=progress, trace_name=trace_name, hints=hints)
             assert report.cluster is not None
             report = replace(report, cluster=replace(
                 report.cluster, reference_token_hit_rate=ref.token_hit_rate))
         return report
     if target is not None:
-        return _run(source(), target, None, opts)
+        return _run(source(), target, None, opts, None, again)
     with start_service(block_size, capacity_blocks, policy, sink_fraction) as sock:
-        return _run(source(), sock, (block_size, capacity_blocks), opts)
+        return _run(source(), sock, (block_size, capacity_blocks), opts, None, again)
 
 
 def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
-         opts: ReplayOptions, cluster: ClusterRun | None = None) -> ReplayReport:
+         opts: ReplayOptions, cluster: ClusterRun | None = None,
+         again: Callable[[], Iterable[Request]] | None = None) -> ReplayReport:
     """Replay `source` against the service at `target`, or a cluster's members (`cluster`)
     (`own`: the block size and capacity of a service or members started for the run, else
-    None) from `opts.clients` spawned processes."""
+    None) from `opts.clients` spawned processes. `again`: the same requests once more, to
+    derive hints from when `opts.hints`."""
     from radixkv.client import Client
 
     notes: list[str] = []
     policy = opts.policy
+    if opts.hints:
+        policy += " + trace-derived session hints (client-supplied knowledge)"
     kv: Any = ClusterStats(cluster.router) if cluster is not None else Client(target)
     with kv:
         kv.wait_ready()
@@ -288,8 +302,10 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
             p.start()
         trace = TraceLog()
         stop = threading.Event()
+        hints = trace_hints(again(), block_size) if opts.hints and again is not None else None
         feeder = threading.Thread(target=_feed, args=(source, block_size, prefix, jobs,
-                                                      opts.clients, trace, stop), daemon=True)
+                                                      opts.clients, trace, stop, hints),
+                                  daemon=True)
         feeder.start()
         try:
             try:
@@ -405,7 +421,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-sink-fraction", type=float, default=0.125,
                    help="int8/int4: the share of sink blocks (a sequence's first block), as "
                    "`radixkv serve` (0.125)")
-    p.add_argument("--policy", default="lru", help="eviction policy: lru (default) or lfu")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=EVICTION_POLICIES,
+                   help=f"eviction policy of the started service (default {DEFAULT_POLICY})")
+    p.add_argument("--hints", action="store_true",
+                   help="send retention hints derived from the trace: the last request of each "
+                   "chain is a session end (client-supplied knowledge: it reads the future)")
     p.add_argument("--clients", type=int, default=4, help="client processes (4)")
     p.add_argument("--target", default=None, metavar="SOCKET|TARGET",
                    help="replay against this running service instead of starting one (its "
@@ -489,7 +509,7 @@ def main(args: argparse.Namespace) -> int:
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         num_windows=args.windows, progress=True,
         trace_name=args.trace, nodes=args.nodes, router=args.router, routing=args.routing,
-        kill_member_after=args.kill_member_after, reference=args.reference)
+        kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints)
     paths = write_plots(report, args.plots) if args.plots else []
     if args.json:
         out = report.to_dict()

@@ -10,8 +10,9 @@ gets the same hits):
 3. `take = min(need, free)` ids are popped. take < need only when the locked path leaves no room
    (in a serial replay: a prompt longer than the whole capacity); then only the first `take` new
    blocks are cached and the rest are counted in `num_dropped_blocks`.
-4. `tree.insert(first matched + take blocks of tokens, m.block_ids + popped ids)`; duplicates
-   (none in a serial replay) go back on the free list.
+4. `tree.insert(first matched + take blocks of tokens, m.block_ids + popped ids, hint)`;
+   duplicates (none in a serial replay) go back on the free list. `hint` is the request's
+   retention hint when the replay is given them (radixkv.replay.hints), else none.
 5. `tree.unlock(m.handle)`.
 
 Trailing partial blocks are never cached, and output tokens are not inserted (the traces put an
@@ -22,12 +23,13 @@ loading; `match_us` is match() alone and `insert_us` insert() alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from radixkv.errors import InvalidArgument
+from radixkv.index.eviction import DEFAULT_POLICY, make_policy
 from radixkv.index.tree import RadixTree
 from radixkv.replay.workload import Request
 from radixkv.tokens import block_bytes, num_tokens
@@ -92,14 +94,16 @@ def replay_tree(
     requests: Iterable[Request],
     block_size: int,
     capacity_blocks: int,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     *,
     keep_per_request: bool = False,
+    hints: Sequence[str | None] | None = None,
 ) -> ReplayResult:
-    """Replay `requests` (one namespace) through a new tree; see the module docstring."""
+    """Replay `requests` (one namespace) through a new tree; see the module docstring.
+    `hints`: None, or one retention hint per request (client-supplied knowledge)."""
     if capacity_blocks < 0:
         raise InvalidArgument(f"capacity_blocks must be >= 0, got {capacity_blocks}")
-    tree = RadixTree(block_size, policy, record_events=False)
+    tree = RadixTree(block_size, make_policy(policy, capacity_blocks), record_events=False)
     bb = block_bytes(block_size)
     free = _FreeList(capacity_blocks)
     namespace: str | None = None
@@ -109,7 +113,7 @@ def replay_tree(
     per_request: list[int] = []
     clock = time.perf_counter_ns
     busy_ns = 0
-    for req in requests:
+    for index, req in enumerate(requests):
         if namespace is None:
             namespace = req.namespace
         elif req.namespace != namespace:
@@ -130,7 +134,7 @@ def replay_tree(
         new_ids = free.take(min(need, len(free)))  # step 3
         t2 = clock()
         res = tree.insert(tokens[: (len(m.block_ids) + len(new_ids)) * bb],  # step 4
-                          m.block_ids + new_ids)
+                          m.block_ids + new_ids, hints[index] if hints is not None else None)
         t3 = clock()
         free.give(res.duplicates)
         tree.unlock(m.handle)  # step 5

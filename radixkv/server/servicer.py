@@ -203,7 +203,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
                                 f"restarted (epoch {epoch}): their KV is not in this pool")
         outcomes, freed = self.service.insert_many(_owner(request.client_id), [
             (item.lease_id, item.namespace, item.tokens, ids_from_bytes(item.block_ids))
-            for item in items], [item.lease_id for item in items if item.release])
+            for item in items], [item.lease_id for item in items if item.release],
+            [item.hint for item in items])
         return pb.InsertResponse(results=[
             pb.InsertResult(adopted=ids_to_bytes(o.adopted), duplicates=ids_to_bytes(o.duplicates),
                             num_cached_tokens=o.num_cached_tokens,
@@ -213,7 +214,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     @rpc
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         lease_ids = _batch("Release: lease ids", request.lease_ids)
-        freed = self.service.release(_owner(request.client_id), lease_ids)
+        freed = self.service.release(_owner(request.client_id), lease_ids,
+                                     list(request.hints) or None)
         return pb.ReleaseResponse(num_freed=freed)
 
     @rpc

@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RetentionHint(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETENTION_HINT_NONE: _ClassVar[RetentionHint]
+    RETENTION_HINT_SESSION_END: _ClassVar[RetentionHint]
+    RETENTION_HINT_KEEP: _ClassVar[RetentionHint]
+RETENTION_HINT_NONE: RetentionHint
+RETENTION_HINT_SESSION_END: RetentionHint
+RETENTION_HINT_KEEP: RetentionHint
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "bytes_per_block", "model_dtype", "group_size", "key_scales", "sink_tokens", "sink_bytes_per_block", "sliding_window", "window_layers")
@@ -149,20 +159,22 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class InsertItem(_message.Message):
-    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch", "release")
+    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch", "release", "hint")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     namespace: str
     tokens: bytes
     block_ids: bytes
     epoch: str
     release: bool
-    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
+    hint: RetentionHint
+    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ..., release: _Optional[bool] = ..., hint: _Optional[_Union[RetentionHint, str]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("client_id", "items")
@@ -191,12 +203,14 @@ class InsertResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[InsertResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("client_id", "lease_ids")
+    __slots__ = ("client_id", "lease_ids", "hints")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    hints: _containers.RepeatedScalarFieldContainer[RetentionHint]
+    def __init__(self, client_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ..., hints: _Optional[_Iterable[_Union[RetentionHint, str]]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("num_freed",)
