@@ -91,7 +91,7 @@ def _to_blocks(t: torch.Tensor) -> torch.Tensor:
 
 # ---- dequantize: segments -> engine-layout K, V (one fused op per part) -------------------
 
-CHUNK_ELEMENTS = 1 << 16  # per step: temporaries stay in cache (fresh large ones page-fault)
+CHUNK_ELEMENTS = 1 << 18  # per step: temporaries stay in cache (fresh large ones page-fault)
 
 
 def _chunks(layout: KVLayout, n: int) -> list[tuple[slice, slice]]:
