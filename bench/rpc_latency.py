@@ -38,6 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile_us  # noqa: E402
 
+from radixkv.index.eviction import DEFAULT_POLICY  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
         "hidden_size": 4, "torch_dtype": "float32"}  # 512 B blocks at block_size 16
@@ -332,6 +334,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32, help="queries per batched Match (32)")
     p.add_argument("--transports", default="unix,tcp")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"eviction policy of the radixkv servers ({DEFAULT_POLICY})")
     p.add_argument("--json", action="store_true")
     p.add_argument("--echo-server", nargs=3, metavar=("UNIX", "PORT", "REPLY_BYTES"),
                    help=argparse.SUPPRESS)
@@ -369,7 +373,7 @@ def main() -> int:
             "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
             "65536", "--lease-ttl", "600", "--max-leases-per-client", "100000000",
-            "--log-level", "warning"], "radixkv serving")
+            "--policy", args.policy, "--log-level", "warning"], "radixkv serving")
             for i in range(args.replicas)]
         from radixkv.tokens import to_token_bytes
         from radixkv.v1 import radixkv_pb2 as pb
@@ -390,7 +394,7 @@ def main() -> int:
         cycle_servers = [launch("cycle", i, lambda sock, port: [
             "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
-            "65536", "--log-level", "warning"], "radixkv serving")
+            "65536", "--policy", args.policy, "--log-level", "warning"], "radixkv serving")
             for i in range(args.replicas)]
         shared = args.prompt_tokens // 2 // args.block_size * args.block_size
         cycle_prefix = prompt(args.seed + 7, shared)
