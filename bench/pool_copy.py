@@ -64,6 +64,20 @@ def timer(device: str) -> Callable[[Callable[[], object]], float]:
     return timed_cpu
 
 
+def best_times(device: str, ops: dict[str, Callable[[], object]], repeat: int,
+               flush: Callable[[], object]) -> dict[str, float]:
+    """Warm each op up, then the best of `repeat` rounds, the ops back to back in each."""
+    timed = timer(device)
+    for fn in ops.values():
+        fn()
+    best = {name: float("inf") for name in ops}
+    for _ in range(repeat):
+        for name, fn in ops.items():
+            flush()
+            best[name] = min(best[name], timed(fn))
+    return best
+
+
 def bench_size(
     device: str, block_size: int, n: int, repeat: int, rng: random.Random,
     flush: Callable[[], object],
@@ -90,14 +104,7 @@ def bench_size(
             "floor_out": lambda: slab.copy_(flat),  # tensor -> pool, as scatter
             "scatter": lambda: scatter(view, ids, k, v, check=check),
         }
-        timed = timer(device)
-        for fn in ops.values():  # warm-up
-            fn()
-        best = {name: float("inf") for name in ops}
-        for _ in range(repeat):
-            for name, fn in ops.items():
-                flush()
-                best[name] = min(best[name], timed(fn))
+        best = best_times(device, ops, repeat, flush)
         # correctness while we are here: what was scattered is what was gathered
         k2, v2 = gather(view, ids, check=check)
         assert torch.equal(k2.view(torch.uint8), k.view(torch.uint8))
@@ -130,14 +137,7 @@ def bench_quantized(device: str, kv_dtype: str, plain: dict[str, Any], repeat: i
         v = torch.randn_like(k)
         ops: dict[str, Callable[[], object]] = {
             "gather": lambda: pool.read(ids), "scatter": lambda: pool.write(ids, k, v)}
-        timed = timer(device)
-        for fn in ops.values():
-            fn()
-        best = {name: float("inf") for name in ops}
-        for _ in range(repeat):
-            for name, fn in ops.items():
-                flush()
-                best[name] = min(best[name], timed(fn))
+        best = best_times(device, ops, repeat, flush)
     nbytes = plain["bytes"]  # the same K/V in the model dtype
     return {
         "kv_dtype": kv_dtype,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from radixkv.cluster.etcd import EtcdTarget
 from radixkv.cluster.router import Router
 from radixkv.errors import AlreadyExists, InvalidArgument
+from radixkv.server.app import stop_on_signals
 from radixkv.server.servicer import rpc
 from radixkv.v1 import router_pb2 as pb
 from radixkv.v1 import router_pb2_grpc
@@ -99,14 +98,7 @@ def serve_router(etcd: str, listen: str, ready: Any = None) -> int:
     if port == 0:
         raise AlreadyExists(f"cannot listen on {target}")
     address = target if path else f"{target.rsplit(':', 1)[0]}:{port}"
-    done = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    done = stop_on_signals()
     try:
         router.start()
         server.start()

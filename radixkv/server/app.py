@@ -197,9 +197,8 @@ class RadixKVServer:
         self._server.wait_for_termination()
 
 
-def serve(config: ServerConfig, ready: Any = None) -> int:
-    """Run until SIGTERM/SIGINT. `ready(server)` is called once listening."""
-    server = RadixKVServer(config)
+def stop_on_signals() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets (logged): the main thread waits on it."""
     done = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -208,6 +207,13 @@ def serve(config: ServerConfig, ready: Any = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return done
+
+
+def serve(config: ServerConfig, ready: Any = None) -> int:
+    """Run until SIGTERM/SIGINT. `ready(server)` is called once listening."""
+    server = RadixKVServer(config)
+    done = stop_on_signals()
     try:
         server.start()
         if ready is not None:
