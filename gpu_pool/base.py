@@ -280,12 +280,22 @@ class _Slab(ABC):
         import torch
 
         self._check_open()
+        cached: torch.Tensor | None = self.__dict__.get("_view")
+        if cached is not None:  # built once: a request path asks several times (~70 us each)
+            return cached
         n = self.num_regular_blocks
         used = self._torch_bytes()[: n * self.layout.bytes_per_block]
         if self.layout.is_quantized:
-            return used.view(n, self.layout.bytes_per_block)
-        dtype = getattr(torch, TORCH_DTYPES[self.layout.dtype])
-        return used.view(dtype).view(slab_shape(self.layout, n))
+            view = used.view(n, self.layout.bytes_per_block)
+        else:
+            dtype = getattr(torch, TORCH_DTYPES[self.layout.dtype])
+            view = used.view(dtype).view(slab_shape(self.layout, n))
+        self.__dict__["_view"] = view
+        return view
+
+    def _drop_views(self) -> None:
+        """Forget the cached views (at close: the mapping may go once callers drop theirs)."""
+        self.__dict__.pop("_view", None)
 
     def sink_view(self) -> torch.Tensor:
         """The sink region as uint8 [num_sink_blocks, sink_bytes_per_block]: block id

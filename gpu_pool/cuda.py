@@ -196,6 +196,7 @@ class CudaBlockPool(BlockPool):
             if self._closed:
                 return
             self._closed = True
+        self._drop_views()
         _OWNED.pop(self.epoch, None)
         self._raw = None
         self._mem = None
@@ -239,6 +240,7 @@ class CudaPoolMapping(PoolMapping):
         if self._closed:
             return
         self._closed = True
+        self._drop_views()
         self._raw = None
 
 

@@ -312,6 +312,7 @@ class HostBlockPool(_MappedBytes, BlockPool):
             if self._closed:
                 return
             self._closed = True
+        self._drop_views()
         self._finalizer()  # unlink + close the fd (releases the flock)
         if not self._map.release():
             log.debug("pool %s closed with views alive; unmapped when they go", self.name)
@@ -359,6 +360,7 @@ class HostPoolMapping(_MappedBytes, PoolMapping):
         if self._closed:
             return
         self._closed = True
+        self._drop_views()
         self._map.release()
 
 
