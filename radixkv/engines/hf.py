@@ -25,6 +25,7 @@ import inspect
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,10 +73,17 @@ class Engine:
     `service`: a `Client` or a socket path; None gives an engine that never caches (baseline).
     `namespace` must name the exact weights: KV is only reusable by the same model. At connect
     the service's pool layout must equal the model's (`pool_layout_for`), else InvalidArgument.
-    Not thread-safe: one prompt at a time."""
+    Not thread-safe: one prompt at a time.
+
+    `store_after_first_token`: `prefill` returns once the first token's logits exist and writes
+    the new blocks back (scatter, Insert, Release) on a helper thread, as a serving engine
+    streams its first token before the cache write-back. The next call on this engine (and
+    `wait_stored`, `close`) waits for it, so this engine always sees its own blocks; another
+    process may miss blocks still being written (a miss, never wrong data)."""
 
     def __init__(self, model: Any, service: Client | str | None = None,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, *, store_after_first_token: bool = False
+                 ) -> None:
         if service is not None and not namespace:
             raise InvalidArgument("an engine with a radixkv service needs a namespace naming its "
                                   "weights (e.g. model id and revision)")
@@ -89,6 +97,9 @@ class Engine:
         self.kv = Client(service) if isinstance(service, str) else service
         self.layout: KVLayout | None = None
         self._restarts_seen = 0
+        self._writer = ThreadPoolExecutor(1, "radixkv-store") if store_after_first_token \
+            else None
+        self._pending: Future[float] | None = None
         if self.kv is not None:
             self.kv.wait_ready()
             self._check_layout()
@@ -109,9 +120,22 @@ class Engine:
         self.kv.pool(refresh=True)  # map the pool now, not on the first request
 
     def close(self) -> None:
-        """Close the client if the engine opened it (from a socket path)."""
-        if self.kv is not None and self._owns_client:
-            self.kv.close()
+        """Finish a pending write-back; close the client if the engine opened it (from a
+        socket path)."""
+        try:
+            self.wait_stored()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
+            if self.kv is not None and self._owns_client:
+                self.kv.close()
+
+    def wait_stored(self) -> None:
+        """Wait for the write-back of the last prefill (store_after_first_token); re-raises
+        what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _pool_view(self, lease: Lease) -> torch.Tensor:
         """The pool mapping of the lease's epoch (StalePool if the service restarted since its
@@ -178,6 +202,7 @@ class Engine:
             return self.prefill_no_cache(tokens, return_hidden=return_hidden)
         if not tokens:
             raise InvalidArgument("prefill needs at least one token")
+        self.wait_stored()  # this engine sees its own blocks
         t0 = time.perf_counter()
         tokens = list(tokens)
         lease = self.kv.lease(self.namespace, tokens, store_tokens=STORE_ALL if store else 0)
@@ -200,16 +225,38 @@ class Engine:
             t2 = time.perf_counter()
             logits, hidden = self._forward_hidden(tokens[use:], use, cache)
             t3 = time.perf_counter()
+        except BaseException:
+            with contextlib.suppress(RadixKVError):  # keep the original error
+                lease.release()
+            raise
+        if self._writer is not None:  # the first token is ready: write back meanwhile
+            self._pending = self._writer.submit(self._finish, lease, tokens, cache, view, store,
+                                                t3 - t2)
+            t4 = t5 = time.perf_counter()
+        else:
+            t4 = self._finish(lease, tokens, cache, view, store, t3 - t2)
+            t5 = time.perf_counter()
+        timings = {"match": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "store": t4 - t3,
+                   "release": t5 - t4, "total": t5 - t0}
+        return PrefillResult(logits, cache, use, timings, hidden if return_hidden else None)
+
+    @torch.inference_mode()
+    def _finish(self, lease: Lease, tokens: list[int], cache: Any, view: torch.Tensor,
+                store: bool, forward_s: float) -> float:
+        """After the forward: store the new full blocks (Insert ends the lease), else release
+        it. Returns the time the store ended."""
+        try:
             if store:
                 try:
                     self._store(lease, tokens, cache, view)
                 except LeaseExpired:  # the forward outlived the lease TTL: match again
                     log.warning("lease expired during a %.1f s forward; storing under a new "
                                 "one (serve with a --lease-ttl above the longest prefill)",
-                                t3 - t2)
+                                forward_s)
+                    assert self.kv is not None
                     with self.kv.lease(self.namespace, tokens) as again:
                         self._store(again, tokens, cache, self._pool_view(again))
-            t4 = time.perf_counter()
+            stored = time.perf_counter()
         except BaseException:
             with contextlib.suppress(RadixKVError):  # keep the original error
                 lease.release()
@@ -218,12 +265,8 @@ class Engine:
             self._sync(view)  # the gather may still be queued: finish it before Release
             with contextlib.suppress(LeaseExpired):  # expired: the pins are already dropped
                 lease.release()
-        t5 = time.perf_counter()
-        timings = {"match": t1 - t0, "load": t2 - t1, "forward": t3 - t2, "store": t4 - t3,
-                   "release": t5 - t4, "total": t5 - t0}
-        return PrefillResult(logits, cache, use, timings, hidden if return_hidden else None)
+        return stored
 
-    @torch.inference_mode()
     def prefill_no_cache(self, tokens: Sequence[int], *,
                          return_hidden: bool = False) -> PrefillResult:
         """The baseline: the whole prompt through the model, no radixkv."""
@@ -270,6 +313,7 @@ class Engine:
         decoding, so that the next turn reuses the answer too). Returns blocks written."""
         if self.kv is None:
             return 0
+        self.wait_stored()
         seq_len = cache_layers(cache)[0][0].shape[-2]
         tokens = list(tokens)[:seq_len]
         with self.kv.lease(self.namespace, tokens) as lease:
