@@ -27,6 +27,7 @@ per region. Nothing loops over blocks in Python.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -56,7 +57,7 @@ def segment_views(layout: KVLayout, rows: torch.Tensor) -> dict[str, torch.Tenso
     out = {}
     offset = 0
     for name, shape, itemsize in layout.segments():
-        size = itemsize * _prod(shape)
+        size = itemsize * math.prod(shape)
         part = rows[:, offset:offset + size]
         if itemsize == 2:
             part = part.view(torch.float16)
@@ -70,13 +71,6 @@ def segment_views(layout: KVLayout, rows: torch.Tensor) -> dict[str, torch.Tenso
 def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
     """[..., head_dim] -> [..., head_dim / group, group] (a view)."""
     return x.view(*x.shape[:-1], -1, group)
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    total = 1
-    for d in shape:
-        total *= d
-    return total
 
 
 def _per_block(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
