@@ -40,6 +40,7 @@ class MatchResult:
     num_tokens: int  # a multiple of block_size
     block_ids: tuple[int, ...]  # the blocks holding those tokens, in order
     handle: object  # opaque; pass to lock() before the next mutating call
+    window_ids: tuple[int, ...] = ()  # windowed trees: window parts of the last blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,24 @@ class BlockRemoved:
     block_ids: tuple[int, ...]
 
 
-TreeEvent = BlockStored | BlockRemoved
+@dataclass(frozen=True, slots=True)
+class WindowStored:
+    """Windowed trees (radixkv.index.window_tree): positions that gained a window part."""
+
+    block_ids: tuple[int, ...]  # the positions' full parts
+    window_ids: tuple[int, ...]  # their window parts, in the same order
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRemoved:
+    """Windowed trees: positions whose window part was freed (their full part stays unless a
+    BlockRemoved names it)."""
+
+    block_ids: tuple[int, ...]
+    window_ids: tuple[int, ...]
+
+
+TreeEvent = BlockStored | BlockRemoved | WindowStored | WindowRemoved
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +103,7 @@ class NodeView:
     lock_count: int
     hits: int
     last_access: float  # time.time() of the last touch
+    window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)
 
 
 class _Node:
@@ -144,6 +163,8 @@ class _Handle:
 class RadixTree:
     """Prefix index over whole blocks. Not thread-safe: callers serialize access."""
 
+    _node_type: type[_Node] = _Node
+
     def __init__(
         self,
         block_size: int,
@@ -165,7 +186,7 @@ class RadixTree:
         )
         if len(self._policy):
             raise InvalidArgument("the eviction policy must start empty")
-        self._root = _Node(0, None, b"", array("I"), 0, 0, time.time())
+        self._root = self._node_type(0, None, b"", array("I"), 0, 0, time.time())
         self._next_id = 1
         self._tick = 0
         self._clock = clock
@@ -235,6 +256,7 @@ class RadixTree:
                     n.lock_count,
                     n.hits,
                     n.last_access,
+                    tuple(getattr(n, "window_ids", ())),
                 )
             )
             stack.extend(reversed(n.children.values()))
@@ -349,7 +371,7 @@ class RadixTree:
         if new:
             if not node.children and node is not self._root and node.lock_count == 0:
                 self._policy.remove(node)  # stops being a leaf
-            leaf = _Node(
+            leaf = self._node_type(
                 self._next_id,
                 node,
                 key[m * bb : num_blocks * bb],
@@ -417,6 +439,7 @@ class RadixTree:
             node = policy.pop()
             keep = max(0, len(node.block_ids) - (num_blocks - len(freed)))
             policy.evicted(node, keep)
+            self._trimming(node, keep)
             gone = node.block_ids[keep:]
             gone.reverse()
             freed += gone
@@ -444,6 +467,10 @@ class RadixTree:
         return freed
 
     # -- internals --------------------------------------------------------------------------
+
+    def _trimming(self, node: _Node, keep: int) -> None:
+        """evict() is about to drop node's blocks [keep:] (the node itself when keep is 0).
+        A hook for trees whose blocks hold more than one part; nothing here."""
 
     def _walk(self, key: bytes) -> tuple[_Node, int, list[int]]:
         """Follow `key` in whole blocks: (deepest node reached, blocks of its edge matched,
@@ -478,7 +505,7 @@ class RadixTree:
         node's place under its parent; `node` keeps the tail (and so its identity and end)."""
         assert 0 < k < len(node.block_ids)
         bb, parent = self._block_bytes, node.parent
-        front = _Node(
+        front = self._node_type(
             self._next_id,
             parent,
             node.tokens[: k * bb],
