@@ -32,7 +32,7 @@ from google.protobuf.message import Message
 from gpu_pool import PoolHandle, PoolMapping, attach
 from gpu_pool.layout import KVLayout
 from radixkv import errors
-from radixkv.errors import RadixKVError
+from radixkv.errors import InvalidArgument, RadixKVError
 from radixkv.index.eviction import parse_hint
 from radixkv.index.tree import InsertResult, NodeView
 from radixkv.server.auth import call_credentials
@@ -289,39 +289,53 @@ class Client:
         self._note_epoch(resp.epoch)
         epoch = resp.epoch
         return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
-                           ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error)
+                           ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error,
+                           *((ids_from_bytes(r.window_ids), ids_from_bytes(r.new_window_ids))
+                             if r.window_ids or r.new_window_ids else ()))
                 for r in resp.results]
 
     def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "",
-                 ttl: float = 0.0, starts_sequence: bool = False) -> Allocation:
+                 ttl: float = 0.0, starts_sequence: bool = False,
+                 num_window_blocks: int = 0) -> Allocation:
         """`starts_sequence`: the first block will hold position 0 (a quantized pool with sink
-        tokens then gives a sink block)."""
+        tokens then gives a sink block). `num_window_blocks`: window parts too (sliding-window
+        pools), in `Allocation.window_ids`."""
         resp = self._call("Allocate", pb.AllocateRequest(
             client_id=self.client_id, lease_id=lease_id, namespace=namespace,
-            num_blocks=num_blocks, lease_ttl_s=ttl, starts_sequence=starts_sequence))
+            num_blocks=num_blocks, lease_ttl_s=ttl, starts_sequence=starts_sequence,
+            num_window_blocks=num_window_blocks))
         self._note_epoch(resp.epoch)
         return Allocation(resp.lease_id, ids_from_bytes(resp.block_ids), resp.num_evicted,
-                          resp.epoch)
+                          resp.epoch, ids_from_bytes(resp.window_ids))
 
     def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],
                lease_id: int, epoch: str = "", release: bool = False,
-               hint: str | None = None) -> InsertResult:
+               hint: str | None = None, window_ids: Sequence[int] = ()) -> InsertResult:
         return self.insert_many([(namespace, tokens, block_ids, lease_id)], epoch, release,
-                                [hint])[0]
+                                [hint], [window_ids] if window_ids else None)[0]
 
     def insert_many(self, items: Sequence[tuple[str, Any, Sequence[int], int]],
                     epoch: str = "", release: bool = False,
-                    hints: Sequence[str | None] | None = None) -> list[InsertResult]:
+                    hints: Sequence[str | None] | None = None,
+                    window_ids: Sequence[Sequence[int]] | None = None) -> list[InsertResult]:
         """Commit written blocks, all items or none. `epoch`: the pool epoch the blocks were
         allocated and written under (LeaseMatch.epoch / Allocation.epoch); the service refuses
         them with StalePool if it restarted since, so no block of a dead pool gets cached.
         `release`: end the items' leases in the same call (as `release` would). `hints`: None
-        or one retention hint per item ("session_end", "keep" or None; see `release`)."""
+        or one retention hint per item ("session_end", "keep" or None; see `release`).
+        `window_ids` (sliding-window pools): None or, per item, the window parts of its last
+        len(window_ids[i]) blocks."""
         codes = _hint_codes(hints, len(items))
         req = pb.InsertRequest(client_id=self.client_id, items=[
             pb.InsertItem(namespace=ns, tokens=to_token_bytes(t), block_ids=to_token_bytes(ids),
                           lease_id=lid, epoch=epoch, release=release, hint=code)
             for (ns, t, ids, lid), code in zip(items, codes, strict=True)])
+        if window_ids is not None:
+            if len(window_ids) != len(items):
+                raise InvalidArgument(f"{len(window_ids)} window-part lists for "
+                                      f"{len(items)} items")
+            for item, wids in zip(req.items, window_ids, strict=True):
+                item.window_ids = to_token_bytes(wids)
         resp = self._call("Insert", req)
         return [InsertResult(ids_from_bytes(r.adopted), ids_from_bytes(r.duplicates),
                              r.num_cached_tokens)
@@ -366,7 +380,8 @@ class Client:
         resp = self._call("DumpTree", pb.DumpTreeRequest(namespace=namespace,
                                                          max_depth=max_depth))
         nodes = [NodeView(n.node_id, n.parent_id or None, n.depth_tokens, n.tokens,
-                          tuple(n.block_ids), n.lock_count, n.hits, n.last_access)
+                          tuple(n.block_ids), n.lock_count, n.hits, n.last_access,
+                          tuple(n.window_ids))
                  for n in resp.nodes]
         return nodes, resp.last_sequence
 
@@ -409,6 +424,11 @@ class Lease:
     `insert(..., release=True)` ends the lease in the same call. `allocate` and a separate
     release remain for engines that need them.
 
+    Sliding-window pools: `window_ids` are the window parts of the last matched blocks (the
+    windowed layers' KV of the last min(blocks, window_blocks) blocks: all a resume needs),
+    `new_window_ids` those the Match allocated for the last new blocks; `insert(...,
+    window_ids=...)` commits them.
+
     Its block ids belong to the pool epoch of its Match: `view()` maps that pool (StalePool
     if the service restarted since) and `insert` tells the service the epoch, so KV written
     into a dead pool is never cached. On a GPU pool, synchronize reads and writes before
@@ -423,6 +443,8 @@ class Lease:
         self.num_tokens = m.num_tokens
         self.block_ids = m.block_ids
         self.new_block_ids = m.new_block_ids
+        self.window_ids = m.window_ids
+        self.new_window_ids = m.new_window_ids
         self.alloc_error = m.alloc_error
         self.epoch = m.epoch
         self.released = False
@@ -450,16 +472,27 @@ class Lease:
         self._allocated = True
         return ids
 
+    def allocate_windows(self, num_windows: int) -> tuple[int, ...]:
+        """`num_windows` window parts of this lease (sliding-window pools): first the ones
+        the Match allocated (no call), then from an Allocate call for the rest."""
+        ids, self.new_window_ids = (self.new_window_ids[:num_windows],
+                                    self.new_window_ids[num_windows:])
+        if len(ids) < num_windows:
+            ids += self.client.allocate(0, lease_id=self.lease_id,
+                                        num_window_blocks=num_windows - len(ids)).window_ids
+        return ids
+
     def keep_alive(self, ttl: float = 0.0) -> float:
         """Renew this lease (e.g. during a long forward pass); returns the TTL granted."""
         return self.client.keep_alive(self.lease_id, ttl=ttl)
 
     def insert(self, tokens: Any, block_ids: Sequence[int],
-               release: bool = False, hint: str | None = None) -> InsertResult:
+               release: bool = False, hint: str | None = None,
+               window_ids: Sequence[int] = ()) -> InsertResult:
         """Commit written blocks; with `release`, end the lease in the same call. `hint`: see
-        `Client.release`."""
+        `Client.release`; `window_ids`: the window parts of the last len(window_ids) blocks."""
         result = self.client.insert(self.namespace, tokens, block_ids, self.lease_id,
-                                    self.epoch, release, hint)
+                                    self.epoch, release, hint, window_ids)
         self.released = self.released or release
         return result
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from radixkv.errors import InvalidArgument
-from radixkv.index.tree import BlockRemoved, BlockStored
+from radixkv.index.tree import BlockRemoved, BlockStored, TreeEvent, WindowStored
 from radixkv.tokens import block_bytes
 
 MAX_BATCH = 1024  # events one read() returns at most, so a resume never copies the whole buffer
@@ -28,12 +28,13 @@ class KVEvent:
     sequence: int
     namespace: str
     timestamp: float
-    kind: str  # "stored" | "removed" | "cleared"
+    kind: str  # "stored" | "removed" | "cleared" | "window_stored" | "window_removed"
     block_ids: tuple[int, ...] = ()
     parent_block_id: int | None = None
     tokens: bytes = b""
     block_hashes: tuple[int, ...] = ()
     parent_block_hash: int | None = None
+    window_ids: tuple[int, ...] = ()  # window_*: the window parts of block_ids' positions
 
 
 def _hash(parent: bytes, tokens: bytes | memoryview) -> bytes:
@@ -74,7 +75,7 @@ class EventLog:
     def last_sequence(self) -> int:
         return self._last
 
-    def publish(self, namespace: str, events: Iterable[BlockStored | BlockRemoved]) -> None:
+    def publish(self, namespace: str, events: Iterable[TreeEvent]) -> None:
         with self._cond:
             for ev in events:
                 self._append(namespace, ev)
@@ -88,7 +89,7 @@ class EventLog:
             self._hash_of.pop(namespace, None)
             self._cond.notify_all()
 
-    def _append(self, namespace: str, ev: BlockStored | BlockRemoved) -> None:
+    def _append(self, namespace: str, ev: TreeEvent) -> None:
         self._last += 1
         now = time.time()
         known = self._hash_of.setdefault(namespace, {})
@@ -100,10 +101,15 @@ class EventLog:
             known.update(zip(ev.block_ids, hashes, strict=True))
             self._buffer.append(KVEvent(self._last, namespace, now, "stored", ev.block_ids,
                                         ev.parent_block_id, ev.tokens, tuple(hashes), parent_hash))
-        else:
+        elif isinstance(ev, BlockRemoved):
             pop = known.pop
             self._buffer.append(KVEvent(self._last, namespace, now, "removed", ev.block_ids,
                                         block_hashes=tuple(map(pop, ev.block_ids))))
+        else:  # a window part came or went; the positions (full parts) stay
+            kind = "window_stored" if isinstance(ev, WindowStored) else "window_removed"
+            self._buffer.append(KVEvent(self._last, namespace, now, kind, ev.block_ids,
+                                        block_hashes=tuple(map(known.__getitem__, ev.block_ids)),
+                                        window_ids=ev.window_ids))
 
     def read(self, after: int, timeout: float | None = None,
              limit: int = MAX_BATCH) -> tuple[list[KVEvent], bool]:

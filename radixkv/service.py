@@ -59,6 +59,7 @@ from radixkv.errors import (
 from radixkv.events import EventLog
 from radixkv.index.eviction import DEFAULT_POLICY, NO_HINT, parse_hint, policy_factory
 from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
+from radixkv.index.window_tree import WindowedRadixTree
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 MAX_NAMESPACE_LEN = 256
@@ -102,6 +103,10 @@ class LeaseMatch:
     new_block_ids: tuple[int, ...] = ()  # allocated for the rest (a match with store_tokens)
     num_evicted: int = 0  # blocks evicted for new_block_ids
     alloc_error: str = ""  # why a match with store_tokens allocated nothing
+    # windowed pools: window parts of the last min(blocks, window_blocks) matched blocks, and
+    # (store_tokens) new window parts for the last blocks of the stored range not yet matched
+    window_ids: tuple[int, ...] = ()
+    new_window_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +117,7 @@ class Allocation:
     block_ids: tuple[int, ...]
     num_evicted: int
     epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
+    window_ids: tuple[int, ...] = ()  # window parts (windowed pools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,10 @@ class ServiceStats:
     uptime_s: float
     namespaces: tuple[NamespaceStats, ...]
     event_sequence: int = 0  # the last event published when these figures were read
+    # windowed pools: window parts (num_blocks and the block counts above count full parts)
+    window_blocks: int = 0
+    free_window_blocks: int = 0
+    cached_window_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -205,6 +215,8 @@ class KVService:
         self.pool = pool
         self.config = config or ServiceConfig()
         self.block_size = pool.layout.block_size
+        # sliding-window layouts: blocks have a window part, resumes need the last few
+        self.window_blocks = pool.layout.window_blocks
         self.events = EventLog(self.block_size, self.config.event_buffer)
         self._clock = clock
         self._started = clock()
@@ -265,7 +277,8 @@ class KVService:
                 ns.life.query_tokens += n
                 ns.life.hit_tokens += m.num_tokens
                 self._recent.append((n, m.num_tokens))
-                out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids, epoch))
+                out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids, epoch,
+                                      window_ids=m.window_ids))
             if store_tokens is not None:
                 out = [self._allocate_rest(owner, o, queries[i][1], store_tokens[i])
                        for i, o in enumerate(out)]
@@ -274,31 +287,42 @@ class KVService:
     def _allocate_rest(self, owner: str, m: LeaseMatch, tokens: bytes,
                        store_tokens: int) -> LeaseMatch:
         """`m` with blocks allocated for the uncached full blocks of tokens[:store_tokens]."""
-        want = min(store_tokens, num_tokens(tokens)) // self.block_size - len(m.block_ids)
+        end = min(store_tokens, num_tokens(tokens)) // self.block_size
+        want = end - len(m.block_ids)
         if want <= 0:
             return m
         sinks = 0 if m.block_ids else 1  # a sequence's first block comes from the sink region
+        windows = min(want, self.window_blocks)  # window parts of the new tail only
         try:
-            num_evicted = self._make_room(want, sinks=sinks)
+            num_evicted = self._make_room(want, sinks=sinks, windows=windows)
         except OutOfBlocks as e:
             return dataclasses.replace(m, alloc_error=str(e))
         lease = self._leases[m.lease_id]
         ids = tuple(self.pool.alloc(want, sinks=sinks))
-        for b in ids:
+        wids = tuple(self.pool.alloc_window(windows)) if windows else ()
+        for b in ids + wids:
             lease.owned[b] = None
             self._lease_of_block[b] = lease.lease_id
-        return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted)
+        return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted,
+                                   new_window_ids=wids)
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
-        ttl_s: float | None = None, starts_sequence: bool = False,
+        ttl_s: float | None = None, starts_sequence: bool = False, num_window_blocks: int = 0,
     ) -> Allocation:
         """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None,
         with TTL `ttl_s`), evicting unpinned LRU leaves when the free list is short. When it
         raises (OutOfBlocks, ...), no lease was opened and nothing was evicted (except while
         looking for a free sink block). `starts_sequence`: the first block will hold position
-        0, so it comes from the sink region where the pool has one."""
-        if not 0 < num_blocks <= self.pool.num_blocks:
+        0, so it comes from the sink region where the pool has one. `num_window_blocks`:
+        window parts too (windowed pools; then num_blocks may be 0)."""
+        windows = num_window_blocks
+        if windows and not self.window_blocks:
+            raise InvalidArgument("window parts asked of a pool without a sliding window")
+        if not 0 <= windows <= getattr(self.pool, "num_window_blocks", 0):
+            raise InvalidArgument(f"num_window_blocks must be in 0.."
+                                  f"{getattr(self.pool, 'num_window_blocks', 0)}, got {windows}")
+        if not (0 if windows else 1) <= num_blocks <= self.pool.num_blocks:
             raise InvalidArgument(
                 f"num_blocks must be in 1..{self.pool.num_blocks}, got {num_blocks}")
         ttl = self._ttl(ttl_s)
@@ -308,7 +332,8 @@ class KVService:
                 if namespace and namespace != lease.namespace:
                     raise PermissionDenied(f"lease {lease_id} belongs to namespace "
                                            f"{lease.namespace!r}, not {namespace!r}")
-                num_evicted = self._make_room(num_blocks, sinks=int(starts_sequence))
+                num_evicted = self._make_room(num_blocks, sinks=int(starts_sequence),
+                                              windows=windows)
                 self._touch(lease)
             else:
                 self._check_namespace(namespace)
@@ -316,53 +341,66 @@ class KVService:
                 ns = self._namespace(namespace)
                 try:
                     num_evicted = self._make_room(num_blocks, keep=ns,
-                                                  sinks=int(starts_sequence))
+                                                  sinks=int(starts_sequence), windows=windows)
                 except OutOfBlocks:
                     self._drop_if_empty(ns)
                     raise
                 lease = self._open_lease(owner, ns, ttl)
-            ids = self.pool.alloc(num_blocks, sinks=int(starts_sequence))
-            for b in ids:
+            ids = self.pool.alloc(num_blocks, sinks=int(starts_sequence)) if num_blocks else []
+            wids = self.pool.alloc_window(windows) if windows else []
+            for b in ids + wids:
                 lease.owned[b] = None
                 self._lease_of_block[b] = lease.lease_id
-            return Allocation(lease.lease_id, tuple(ids), num_evicted, self.pool.epoch)
+            return Allocation(lease.lease_id, tuple(ids), num_evicted, self.pool.epoch,
+                              tuple(wids))
 
     def insert(
         self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int],
-        hint: str | int | None = None,
+        hint: str | int | None = None, window_ids: Sequence[int] = (),
     ) -> InsertResult:
         """Commit `block_ids` (one per full block of `tokens`) into the namespace's tree. Each
         id must be leased to `lease_id` or be the id the tree already holds at that position.
         Prefixes already cached are not adopted: those leased blocks return to the free list.
-        `hint`: a retention hint for the node where `tokens` end (RadixTree.hint)."""
+        `hint`: a retention hint for the node where `tokens` end (RadixTree.hint).
+        `window_ids` (windowed pools): the window parts of the last len(window_ids) blocks,
+        each leased to the lease or the one cached there."""
         return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)],
-                                hints=[hint])[0][0]
+                                hints=[hint], window_ids=[window_ids])[0][0]
 
     def insert_many(
         self, owner: str, items: Sequence[tuple[int, str, bytes, Sequence[int]]],
         release: Collection[int] = (), hints: Sequence[str | int | None] | None = None,
+        window_ids: Sequence[Sequence[int]] | None = None,
     ) -> tuple[list[InsertResult], dict[int, int]]:
         """`insert` for each (lease_id, namespace, tokens, block_ids), all or nothing: every
         item is checked against the state before the first one is applied, and a block id may
         be claimed by one item only. Then the leases in `release` (ids of these items) end as
-        `release` ends them. `hints`: None or one retention hint per item. Returns the results
-        and {released lease id: blocks freed}."""
+        `release` ends them. `hints`: None or one retention hint per item; `window_ids`: None
+        or each item's window parts (`insert`). Returns the results and {released lease id:
+        blocks freed}."""
         codes = self._hints(hints, len(items))
-        for _, namespace, tokens, block_ids in items:
+        wins: Sequence[Sequence[int]] = window_ids or [()] * len(items)
+        if len(wins) != len(items):
+            raise InvalidArgument(f"{len(wins)} window-part lists for {len(items)} items")
+        for (_, namespace, tokens, block_ids), w in zip(items, wins, strict=True):
             self._check_namespace(namespace)
-            self._check_insert(tokens, block_ids)
+            self._check_insert(tokens, block_ids, w)
         with self._lock:
             leases = [self._get_lease(owner, lease_id) for lease_id, *_ in items]
             claimed: set[int] = set()
-            for lease, (_, namespace, tokens, block_ids) in zip(leases, items, strict=True):
+            for lease, (_, namespace, tokens, block_ids), w in zip(leases, items, wins,
+                                                                  strict=True):
                 self._check_claims(lease, namespace, tokens, block_ids, claimed)
+                if w:
+                    self._check_window_claims(lease, tokens, w, claimed)
             if not {lease.lease_id for lease in leases}.issuperset(release):
                 raise InvalidArgument("an insert can only release the leases of its items")
             ending = set(release)
             results = [self._apply_insert(lease, tokens, block_ids,
-                                          pin=lease.lease_id not in ending, hint=code)
-                       for lease, (_, _, tokens, block_ids), code
-                       in zip(leases, items, codes, strict=True)]
+                                          pin=lease.lease_id not in ending, hint=code,
+                                          window_ids=w)
+                       for lease, (_, _, tokens, block_ids), code, w
+                       in zip(leases, items, codes, wins, strict=True)]
             freed = {lid: self._end_lease(self._leases[lid]) for lid in dict.fromkeys(release)}
             return results, freed
 
@@ -449,6 +487,9 @@ class KVService:
                 evicted_blocks=life.evicted_blocks,
                 uptime_s=self._clock() - self._started,
                 namespaces=spaces,
+                window_blocks=getattr(self.pool, "num_window_blocks", 0),
+                free_window_blocks=getattr(self.pool, "num_free_window", 0),
+                cached_window_blocks=self._cached_windows(),
             )
 
     def dump_tree(self, namespace: str, max_depth: int = 0) -> tuple[list[NodeView], int]:
@@ -490,10 +531,12 @@ class KVService:
                         raise IntegrityError(f"block {b} of lease {lease.lease_id} is indexed "
                                              f"to lease {self._lease_of_block.get(b)}")
             cached = sum(ns.tree.num_cached_blocks for ns in self._namespaces.values())
-            total = self.pool.num_free + leased + cached
+            cached += self._cached_windows()  # window parts: ids of the same pool
+            free = self.pool.num_free + getattr(self.pool, "num_free_window", 0)
+            total = free + leased + cached
             if total != self.pool.num_blocks:
                 raise IntegrityError(
-                    f"free {self.pool.num_free} + leased {leased} + cached {cached} = {total} "
+                    f"free {free} + leased {leased} + cached {cached} = {total} "
                     f"!= {self.pool.num_blocks} blocks")
             by_ns = Counter(lease.namespace for lease in self._leases.values())
             by_owner = Counter(lease.owner for lease in self._leases.values())
@@ -532,13 +575,25 @@ class KVService:
                                 f"{new_namespaces} more were asked for; limit "
                                 f"{self.config.max_namespaces}")
 
-    def _check_insert(self, tokens: bytes, block_ids: Sequence[int]) -> None:
+    def _check_insert(self, tokens: bytes, block_ids: Sequence[int],
+                      window_ids: Sequence[int] = ()) -> None:
         self._check_tokens(tokens)
         num_full = num_tokens(tokens) // self.block_size
         if len(block_ids) != num_full:
             raise InvalidArgument(
                 f"{len(block_ids)} block ids for {num_full} full blocks "
                 f"({num_tokens(tokens)} tokens, block_size {self.block_size})")
+        if window_ids:
+            if not self.window_blocks:
+                raise InvalidArgument("window parts given for a pool without a sliding window")
+            if len(window_ids) > num_full:
+                raise InvalidArgument(f"{len(window_ids)} window parts for {num_full} full "
+                                      "blocks: a window part needs its block's full part")
+            if len(set(window_ids)) != len(window_ids):
+                raise InvalidArgument("window part ids repeat within one insert")
+            for w in window_ids:
+                if not (0 <= w < self.pool.num_blocks and self.pool.is_window(w)):
+                    raise InvalidArgument(f"id {w} is not a window part of this pool")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidArgument("block ids repeat within one insert")
         for b in block_ids:
@@ -579,6 +634,33 @@ class KVService:
                 raise PermissionDenied(f"block {b} is not allocated to lease {lease.lease_id}")
             raise AlreadyExists(f"block {b} is already cached under another prefix")
 
+    def _check_window_claims(self, lease: _Lease, tokens: bytes, window_ids: Sequence[int],
+                             claimed: set[int]) -> None:
+        """Each window part is the lease's own (unclaimed) or the one cached at its block."""
+        tree = self._namespaces[lease.namespace].tree
+        assert isinstance(tree, WindowedRadixTree)
+        cached = tree.window_parts(tokens)
+        first = len(cached) - len(window_ids)
+        for i, w in enumerate(window_ids, first):
+            if cached[i] == w:
+                continue
+            if w in claimed:
+                raise InvalidArgument(f"window part {w} is claimed by two items of one insert")
+            if w in lease.owned:
+                claimed.add(w)
+                continue
+            if w in self._lease_of_block:
+                raise PermissionDenied(f"window part {w} is leased to another lease, "
+                                       f"not {lease.lease_id}")
+            if self.pool.is_free(w):
+                raise PermissionDenied(f"window part {w} is not allocated to lease "
+                                       f"{lease.lease_id}")
+            raise AlreadyExists(f"window part {w} is already cached at another block")
+
+    def _cached_windows(self) -> int:
+        return sum(ns.tree.num_window_blocks for ns in self._namespaces.values()
+                   if isinstance(ns.tree, WindowedRadixTree))
+
     @staticmethod
     def _hints(hints: Sequence[str | int | None] | None, count: int) -> list[int]:
         """One hint code per item (all NO_HINT for None); InvalidArgument on a bad one."""
@@ -590,10 +672,14 @@ class KVService:
         return [parse_hint(h) for h in hints]
 
     def _apply_insert(self, lease: _Lease, tokens: bytes, block_ids: Sequence[int],
-                      pin: bool = True, hint: int = NO_HINT) -> InsertResult:
+                      pin: bool = True, hint: int = NO_HINT,
+                      window_ids: Sequence[int] = ()) -> InsertResult:
         ns = self._namespaces[lease.namespace]
         self._touch(lease)
-        result = ns.tree.insert(tokens, block_ids, hint)
+        if isinstance(ns.tree, WindowedRadixTree):
+            result = ns.tree.insert(tokens, block_ids, hint, window_ids=window_ids)
+        else:
+            result = ns.tree.insert(tokens, block_ids, hint)
         for b in result.adopted + result.duplicates:  # no longer the lease's
             del lease.owned[b]
             del self._lease_of_block[b]
@@ -628,8 +714,10 @@ class KVService:
         """The namespace, created if absent (callers checked the limit first)."""
         ns = self._namespaces.get(name)
         if ns is None:
-            tree = RadixTree(self.block_size, self._policies(name),
-                             clock=functools.partial(next, self._ticks))
+            clock = functools.partial(next, self._ticks)
+            tree = (WindowedRadixTree(self.block_size, self.window_blocks, self._policies(name),
+                                      clock=clock) if self.window_blocks
+                    else RadixTree(self.block_size, self._policies(name), clock=clock))
             ns = _Namespace(name, tree)
             self._namespaces[name] = ns
         return ns
@@ -696,13 +784,17 @@ class KVService:
                 self._expired.popitem(last=False)
         return len(freed)
 
-    def _make_room(self, num_blocks: int, keep: _Namespace | None = None, sinks: int = 0) -> int:
+    def _make_room(self, num_blocks: int, keep: _Namespace | None = None, sinks: int = 0,
+                   windows: int = 0) -> int:
         """Evict until `num_blocks` are free, `sinks` of them sink blocks, the policy's first
         victim first across all namespaces (their trees share one clock and policy state, so
-        their victims compare). Raises OutOfBlocks, evicting nothing, when even that cannot
-        make room (a search for a sink block keeps what it evicted). Namespaces left empty are
-        dropped, except `keep` (about to get a lease)."""
+        their victims compare), and `windows` window parts (windowed pools: window parts
+        alone first, then whole leaves). Raises OutOfBlocks, evicting nothing, when even that
+        cannot make room (a search for a sink block or window part keeps what it evicted).
+        Namespaces left empty are dropped, except `keep` (about to get a lease)."""
         evicted = 0
+        if windows:
+            evicted += self._evict_windows_for(windows, keep)
         while self.pool.num_free_sink < min(sinks, self.pool.num_sink_blocks):
             try:
                 evicted += self._evict_for(self.pool.num_free + 1, keep)  # one more block
@@ -712,6 +804,30 @@ class KVService:
                     f"{self.pool.num_sink_blocks} are leased or pinned (serve with a larger "
                     f"--kv-sink-fraction)") from None
         return evicted + self._evict_for(num_blocks, keep)
+
+    def _evict_windows_for(self, windows: int, keep: _Namespace | None) -> int:
+        """Free window parts until `windows` are: unprotected ones first (oldest namespace's
+        first), then whole leaves. Returns the full parts evicted on the way."""
+        pool, evicted = self.pool, 0
+        spaces = [ns for ns in self._namespaces.values() if isinstance(ns.tree, WindowedRadixTree)]
+        for ns in spaces:
+            need = windows - pool.num_free_window
+            if need <= 0:
+                break
+            assert isinstance(ns.tree, WindowedRadixTree)
+            freed = ns.tree.evict_windows(need)
+            if freed:
+                pool.free(freed)
+                self.events.publish(ns.name, ns.tree.take_events())
+        while pool.num_free_window < windows:
+            try:  # a whole leaf's tail: its window parts go with its full parts
+                evicted += self._evict_for(pool.num_free + 1, keep)
+            except OutOfBlocks:
+                raise OutOfBlocks(
+                    f"asked {windows} window parts: {pool.num_free_window} free of "
+                    f"{pool.num_window_blocks}, the rest leased or pinned (serve with a larger "
+                    f"--window-fraction)") from None
+        return evicted
 
     def _evict_for(self, num_blocks: int, keep: _Namespace | None) -> int:
         need = num_blocks - self.pool.num_free
@@ -739,10 +855,16 @@ class KVService:
                     if key is None or key > keyed[1][0]:
                         break
             self.pool.free(freed)
+            if isinstance(ns.tree, WindowedRadixTree):  # full parts, then window parts
+                events = ns.tree.take_events()
+                freed = [b for ev in events if isinstance(ev, BlockRemoved)
+                         for b in ev.block_ids]
+                self.events.publish(ns.name, events)
+            else:
+                ns.tree.take_events()  # one BlockRemoved per chunk, in eviction order:
+                self.events.publish(ns.name, [BlockRemoved(tuple(freed))])
             ns.life.evicted_blocks += len(freed)
             evicted += len(freed)
-            ns.tree.take_events()  # one BlockRemoved per chunk, in eviction order:
-            self.events.publish(ns.name, [BlockRemoved(tuple(freed))])
             if ns is not keep:
                 self._drop_if_empty(ns)
         return evicted

@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from radixkv.client import Client
 from radixkv.index.tree import NodeView
+from radixkv.index.window_tree import HOLE
 from radixkv.tokens import from_token_bytes, num_tokens
 from radixkv.v1 import radixkv_pb2 as pb
 
@@ -58,6 +59,10 @@ def summary(kv: Client) -> dict[str, Any]:
                                           "block_size", "bytes_per_block")}
     blocks = {"total": s["num_blocks"], "free": s["free_blocks"], "leased": s["leased_blocks"],
               "cached": s["cached_blocks"], "pinned": s["pinned_blocks"]}
+    window = {}
+    if s.get("window_blocks"):  # sliding-window pool: block ids are full or window parts
+        window = {"window_parts": {"total": s["window_blocks"], "free": s["free_window_blocks"],
+                                   "cached": s["cached_window_blocks"]}}
     return {
         "target": kv.target, "epoch": s["epoch"], "uptime_s": round(s["uptime_s"], 3),
         "pool": {"backend": s["backend"], "layout": layout, "blocks": blocks,
@@ -71,6 +76,7 @@ def summary(kv: Client) -> dict[str, Any]:
                        "hit_tokens": s["recent_hit_tokens"],
                        "rate": _rate(s["recent_hit_tokens"], s["recent_query_tokens"])},
         },
+        **window,
         "evicted_blocks": s["evicted_blocks"],
         "leases": {"live": s["live_leases"], "expired": s["expired_leases"]},
         "namespaces": [{**{k: n[k] for k in ("namespace", "cached_blocks", "cached_tokens",
@@ -132,6 +138,10 @@ def render_summary(d: dict[str, Any]) -> Any:
                  f"{lay['head_dim']}, {lay['dtype']}")
     head.add_row("blocks", f"{blocks['free']} free, {blocks['leased']} leased, "
                  f"{blocks['cached']} cached ({blocks['pinned']} of them pinned)")
+    if "window_parts" in d:
+        w = d["window_parts"]
+        head.add_row("window parts", f"{w['free']} free, {w['cached']} cached of {w['total']} "
+                     "(the windowed layers' KV; blocks above are the full parts)")
     head.add_row("bytes", f"{_size(pool['bytes']['free'])} free, "
                  f"{_size(pool['bytes']['cached'])} cached")
     for span, h in d["hit_rate"].items():
@@ -182,6 +192,8 @@ def tree_view(kv: Client, namespace: str, depth: int = 0) -> dict[str, Any]:
             "age_s": round(max(0.0, now - n.last_access), 3),
             "first_token_ids": _token_ids(n.tokens, PREVIEW), "block_ids": list(n.block_ids),
             "subtree_tokens": tokens, "subtree_blocks": blocks}
+        if n.window_ids:  # sliding-window pool: each block's window part (None: freed)
+            out["window_ids"] = [None if w == HOLE else w for w in n.window_ids]
         if depth and level >= depth:
             out["children"], out["hidden_nodes"] = [], count - 1
         else:
@@ -211,6 +223,10 @@ def render_tree(t: dict[str, Any]) -> Any:
         label = (f"[cyan]\\[{_ids(n['first_token_ids'], n['tokens'])}][/] {n['tokens']} tok "
                  f"{n['blocks']} blk (subtree {n['subtree_tokens']} tok)  hits {n['hits']}  "
                  f"locks {n['lock_count']}  {_age(n['age_s'])} ago")
+        if "window_ids" in n:
+            marks = "".join("w" if w is not None else "." for w in n["window_ids"])
+            label += f"  window parts [{marks}]"
+
         branch = parent.add(label)
         for c in n["children"]:
             add(branch, c)
@@ -284,6 +300,11 @@ def event_dict(ev: pb.Event) -> dict[str, Any]:
     elif kind == "removed":
         out.update(type="BlockRemoved", block_ids=list(ev.removed.block_ids),
                    block_hashes=list(ev.removed.block_hashes))
+    elif kind in ("window_stored", "window_removed"):
+        w = getattr(ev, kind)
+        out.update(type="WindowStored" if kind == "window_stored" else "WindowRemoved",
+                   block_ids=list(w.block_ids), window_ids=list(w.window_ids),
+                   block_hashes=list(w.block_hashes))
     else:
         out["type"] = "AllBlocksCleared"
     return out
@@ -302,6 +323,8 @@ def event_line(d: dict[str, Any]) -> str:
                  f"[{_ids(tokens[:PREVIEW], len(tokens))}]")
     elif d["type"] == "BlockRemoved":
         line += f" blocks {d['block_ids']}"
+    elif d["type"] in ("WindowStored", "WindowRemoved"):
+        line += f" window parts {d['window_ids']} of blocks {d['block_ids']}"
     return line
 
 

@@ -118,6 +118,12 @@ def event_pb(ev: KVEvent, epoch: str) -> pb.Event:
     elif ev.kind == "removed":
         out.removed.CopyFrom(pb.BlockRemoved(block_ids=ev.block_ids,
                                              block_hashes=ev.block_hashes))
+    elif ev.kind == "window_stored":
+        out.window_stored.CopyFrom(pb.WindowStored(
+            block_ids=ev.block_ids, block_hashes=ev.block_hashes, window_ids=ev.window_ids))
+    elif ev.kind == "window_removed":
+        out.window_removed.CopyFrom(pb.WindowRemoved(
+            block_ids=ev.block_ids, block_hashes=ev.block_hashes, window_ids=ev.window_ids))
     else:
         out.cleared.CopyFrom(pb.AllBlocksCleared())
     return out
@@ -174,11 +180,12 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         response = pb.MatchResponse(epoch=self.service.pool.epoch)
         add = response.results.add  # ~1.5 us less per result than building a list (upb)
         for o in outcomes:
-            if o.new_block_ids or o.alloc_error:
+            if o.new_block_ids or o.alloc_error or o.window_ids:
                 add(lease_id=o.lease_id, num_tokens=o.num_tokens,
                     block_ids=ids_to_bytes(o.block_ids),
                     new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
-                    alloc_error=o.alloc_error)
+                    alloc_error=o.alloc_error, window_ids=ids_to_bytes(o.window_ids),
+                    new_window_ids=ids_to_bytes(o.new_window_ids))
             else:
                 add(lease_id=o.lease_id, num_tokens=o.num_tokens,
                     block_ids=ids_to_bytes(o.block_ids))
@@ -188,10 +195,12 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
                                   request.namespace, request.num_blocks,
-                                  request.lease_ttl_s or None, request.starts_sequence)
+                                  request.lease_ttl_s or None, request.starts_sequence,
+                                  request.num_window_blocks)
         return pb.AllocateResponse(epoch=self.service.pool.epoch, lease_id=o.lease_id,
                                    block_ids=ids_to_bytes(o.block_ids),
-                                   num_evicted=o.num_evicted)
+                                   num_evicted=o.num_evicted,
+                                   window_ids=ids_to_bytes(o.window_ids))
 
     @rpc
     def Insert(self, request: pb.InsertRequest, context: Any) -> pb.InsertResponse:
@@ -204,7 +213,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         outcomes, freed = self.service.insert_many(_owner(request.client_id), [
             (item.lease_id, item.namespace, item.tokens, ids_from_bytes(item.block_ids))
             for item in items], [item.lease_id for item in items if item.release],
-            [item.hint for item in items])
+            [item.hint for item in items],
+            [ids_from_bytes(item.window_ids) for item in items]
+            if any(item.window_ids for item in items) else None)
         return pb.InsertResponse(results=[
             pb.InsertResult(adopted=ids_to_bytes(o.adopted), duplicates=ids_to_bytes(o.duplicates),
                             num_cached_tokens=o.num_cached_tokens,
@@ -272,7 +283,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         return pb.DumpTreeResponse(namespace=request.namespace, last_sequence=last, nodes=[
             pb.TreeNode(node_id=n.node_id, parent_id=n.parent_id or 0,
                         depth_tokens=n.depth_tokens, tokens=n.tokens, block_ids=n.block_ids,
-                        lock_count=n.lock_count, hits=n.hits, last_access=n.last_access)
+                        lock_count=n.lock_count, hits=n.hits, last_access=n.last_access,
+                        window_ids=n.window_ids)
             for n in nodes])
 
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:

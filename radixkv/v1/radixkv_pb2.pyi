@@ -107,20 +107,24 @@ class MatchRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[MatchQuery, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("lease_id", "num_tokens", "block_ids", "new_block_ids", "num_evicted", "alloc_error")
+    __slots__ = ("lease_id", "num_tokens", "block_ids", "new_block_ids", "num_evicted", "alloc_error", "window_ids", "new_window_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
     ALLOC_ERROR_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     num_tokens: int
     block_ids: bytes
     new_block_ids: bytes
     num_evicted: int
     alloc_error: str
-    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., alloc_error: _Optional[str] = ...) -> None: ...
+    window_ids: bytes
+    new_window_ids: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., alloc_error: _Optional[str] = ..., window_ids: _Optional[bytes] = ..., new_window_ids: _Optional[bytes] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results", "epoch")
@@ -131,35 +135,39 @@ class MatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks", "lease_ttl_s", "starts_sequence")
+    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks", "lease_ttl_s", "starts_sequence", "num_window_blocks")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     STARTS_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     lease_id: int
     namespace: str
     num_blocks: int
     lease_ttl_s: float
     starts_sequence: bool
-    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., starts_sequence: _Optional[bool] = ...) -> None: ...
+    num_window_blocks: int
+    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., starts_sequence: _Optional[bool] = ..., num_window_blocks: _Optional[int] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("lease_id", "block_ids", "num_evicted", "epoch")
+    __slots__ = ("lease_id", "block_ids", "num_evicted", "epoch", "window_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     block_ids: bytes
     num_evicted: int
     epoch: str
-    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+    window_ids: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., epoch: _Optional[str] = ..., window_ids: _Optional[bytes] = ...) -> None: ...
 
 class InsertItem(_message.Message):
-    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch", "release", "hint")
+    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch", "release", "hint", "window_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +175,7 @@ class InsertItem(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     HINT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     namespace: str
     tokens: bytes
@@ -174,7 +183,8 @@ class InsertItem(_message.Message):
     epoch: str
     release: bool
     hint: RetentionHint
-    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ..., release: _Optional[bool] = ..., hint: _Optional[_Union[RetentionHint, str]] = ...) -> None: ...
+    window_ids: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ..., release: _Optional[bool] = ..., hint: _Optional[_Union[RetentionHint, str]] = ..., window_ids: _Optional[bytes] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("client_id", "items")
@@ -261,7 +271,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence")
+    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence", "window_blocks", "free_window_blocks", "cached_window_blocks")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +293,9 @@ class StatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     layout: KVLayout
     num_blocks: int
@@ -304,7 +317,10 @@ class StatsResponse(_message.Message):
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     integrity: str
     event_sequence: int
-    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ...) -> None: ...
+    window_blocks: int
+    free_window_blocks: int
+    cached_window_blocks: int
+    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ..., window_blocks: _Optional[int] = ..., free_window_blocks: _Optional[int] = ..., cached_window_blocks: _Optional[int] = ...) -> None: ...
 
 class DumpTreeRequest(_message.Message):
     __slots__ = ("namespace", "max_depth")
@@ -315,7 +331,7 @@ class DumpTreeRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class TreeNode(_message.Message):
-    __slots__ = ("node_id", "parent_id", "depth_tokens", "tokens", "block_ids", "lock_count", "hits", "last_access")
+    __slots__ = ("node_id", "parent_id", "depth_tokens", "tokens", "block_ids", "lock_count", "hits", "last_access", "window_ids")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +340,7 @@ class TreeNode(_message.Message):
     LOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
     node_id: int
     parent_id: int
     depth_tokens: int
@@ -332,7 +349,8 @@ class TreeNode(_message.Message):
     lock_count: int
     hits: int
     last_access: float
-    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., depth_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lock_count: _Optional[int] = ..., hits: _Optional[int] = ..., last_access: _Optional[float] = ...) -> None: ...
+    window_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., depth_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lock_count: _Optional[int] = ..., hits: _Optional[int] = ..., last_access: _Optional[float] = ..., window_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DumpTreeResponse(_message.Message):
     __slots__ = ("namespace", "last_sequence", "nodes")
@@ -392,8 +410,28 @@ class AllBlocksCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WindowStored(_message.Message):
+    __slots__ = ("block_ids", "block_hashes", "window_ids")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    window_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., window_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WindowRemoved(_message.Message):
+    __slots__ = ("block_ids", "block_hashes", "window_ids")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    window_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., window_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("sequence", "namespace", "timestamp", "epoch", "stored", "removed", "cleared", "lagged")
+    __slots__ = ("sequence", "namespace", "timestamp", "epoch", "stored", "removed", "cleared", "lagged", "window_stored", "window_removed")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +440,8 @@ class Event(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
     LAGGED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STORED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_REMOVED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     namespace: str
     timestamp: float
@@ -410,4 +450,6 @@ class Event(_message.Message):
     removed: BlockRemoved
     cleared: AllBlocksCleared
     lagged: bool
-    def __init__(self, sequence: _Optional[int] = ..., namespace: _Optional[str] = ..., timestamp: _Optional[float] = ..., epoch: _Optional[str] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., lagged: _Optional[bool] = ...) -> None: ...
+    window_stored: WindowStored
+    window_removed: WindowRemoved
+    def __init__(self, sequence: _Optional[int] = ..., namespace: _Optional[str] = ..., timestamp: _Optional[float] = ..., epoch: _Optional[str] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., lagged: _Optional[bool] = ..., window_stored: _Optional[_Union[WindowStored, _Mapping]] = ..., window_removed: _Optional[_Union[WindowRemoved, _Mapping]] = ...) -> None: ...
