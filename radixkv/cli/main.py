@@ -118,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from gpu_pool.base import fit_blocks
+    from gpu_pool.sizing import fit_blocks
 
     layout = layout_from_args(args)
     num_blocks = args.num_blocks

@@ -464,8 +464,8 @@ def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
                     sink_fraction: float) -> tuple[int, float]:
     """(blocks, sink fraction) of `preset`'s layout stored as `kv_dtype` in `memory` bytes:
     what a `radixkv serve --memory` pool of that format holds."""
-    from gpu_pool.base import fit_blocks
     from gpu_pool.layout import KVLayout, parse_bytes
+    from gpu_pool.sizing import fit_blocks
 
     layout = KVLayout.from_preset(preset, None, block_size)
     layout = layout.with_dtype(kv_dtype) if kv_dtype != layout.dtype else layout
