@@ -1,7 +1,7 @@
 """Sliding-window pools (issue 14, item 2, the pool side): full parts and window parts in one
 slab and one id space; their sizes and offsets, free lists, reads and writes in one process and
 across two, the all-windowed layout's 0-byte full parts, the memory split, the handle and
-PoolInfo.
+PoolInfo, `radixkv serve --window-fraction`, and `radixkv replay --memory`.
 
 torch is imported inside the tests that use it: a spawned worker imports this module."""
 
@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _server import running_server
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -31,8 +32,10 @@ from gpu_pool.sizing import (
     fit_blocks,
     fit_window_blocks,
 )
-from radixkv.client import pool_info_from_pb
+from radixkv.cli.main import main as cli_main
+from radixkv.client import Client, pool_info_from_pb
 from radixkv.errors import IntegrityError, InvalidArgument, OutOfBlocks
+from radixkv.replay.runner import memory_capacity
 from radixkv.server.servicer import Servicer
 from radixkv.service import KVService
 from radixkv.v1 import radixkv_pb2 as pb
@@ -436,3 +439,57 @@ def test_pool_info_carries_the_window_region_only_when_there_is_one() -> None:
             assert ("num_window_blocks" in names) == bool(window)
             assert response.num_window_blocks == window
             assert pool_info_from_pb(response).handle == pool.export()
+
+
+def test_serve_splits_memory_and_pool_info_says_so() -> None:
+    # tests/_server.py's model: 2 layers, fp32, block 4: 512 B per layer per block; alternate:
+    # layer 0 windowed. 8 KiB at 0.25: 2 KiB of window parts (4), 6 KiB of full parts (12).
+    with running_server("--sliding-window", "6", "--window-layers", "alternate", "--memory",
+                        "8KiB", "--window-fraction", "0.25") as server, \
+            Client(server.socket) as client:
+        assert server.banner.split(": ", 1)[1].startswith(
+            "host pool, 12 full parts x 512 B + 4 window parts x 512 B (4 tokens each)")
+        handle = client.pool_info().handle
+        assert (handle.num_blocks, handle.num_window_blocks, handle.nbytes) == (16, 4, 8192)
+        with attach(handle) as mapping:
+            k, v = kv(1, 8, seed=8, dtype="float32")
+            mapping.write_window([15, 12], k, v)
+            assert all(a.equal(b) for a, b in zip(mapping.read_window([15, 12]), (k, v),
+                                                   strict=True))
+            assert mapping.view().shape == (12, 1, 2, 4, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("preset", "value", "message"),
+    [
+        ("llama-3.2-1b", "0.5", "--window-fraction 0.5 needs a sliding-window layout"),
+        ("gemma-3-like", "0", "--window-fraction 0: window fraction must be between 0 and 1"),
+        ("gemma-3-like", "1", "--window-fraction 1: window fraction must be between 0 and 1"),
+        ("gemma-3-like", "nan", "--window-fraction nan: window fraction must be between"),
+        ("gemma-3-like", "half", "--window-fraction half: could not convert"),
+        ("mistral-7b-v0.1", "0.5", "its full parts take no memory, so it must be 1"),
+    ],
+)
+def test_serve_refuses_bad_window_fractions(preset: str, value: str, message: str,
+                                            capsys: pytest.CaptureFixture[str],
+                                            tmp_path: Any) -> None:
+    # Refused while parsing, before any pool or socket: in this process.
+    rc = cli_main(["serve", "--preset", preset, "--window-fraction", value, "--socket",
+                   str(tmp_path / "s.sock")])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+# -- replay --memory -------------------------------------------------------------------------
+
+
+def test_replay_memory_counts_both_regions() -> None:
+    gemma = PRESETS["gemma-3-like"]
+    counted = memory_capacity("gemma-3-like", "bf16", 16, "1GiB", 0.125)
+    assert (counted.blocks, counted.window_blocks) == fit_window_blocks(gemma, 1 << 30)
+    assert f"holds {counted.blocks:,} full parts and {counted.window_blocks:,} window parts" \
+        in counted.note
+    quantized = memory_capacity("gemma-3-like", "int8", 16, "1GiB", 0.125)  # no sink tokens
+    assert quantized.blocks > counted.blocks and quantized.sink_fraction == 0.0
+    plain = memory_capacity("llama-3-8b", "bf16", 16, "1GiB", 0.125)
+    assert (plain.blocks, plain.window_blocks, plain.note) == (512, 0, "")  # 2 MiB blocks
