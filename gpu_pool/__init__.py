@@ -7,9 +7,9 @@ service that owns it and the engines that attach it. Backends: `host` (POSIX sha
     mapping = attach(handle)                           # engine: same memory, zero-copy
     k, v = gather(mapping.view(), block_ids)           # blocks -> engine-layout tensors
 
-The KV geometry (`layout.KVLayout`, the byte math) and the memory calculator (`calc`) live here
-too, with the pool's own errors (`errors`). This package imports nothing of `radixkv`.
-Importing it imports neither CuPy nor torch.
+The KV geometry (`layout.KVLayout`, the byte math), the pool's sizing (`sizing`) and the memory
+calculator (`calc`) live here too, with the pool's own errors (`errors`). This package imports
+nothing of `radixkv`. Importing it imports neither CuPy nor torch.
 """
 
 from gpu_pool.base import (
@@ -19,14 +19,12 @@ from gpu_pool.base import (
     PoolMapping,
     attach,
     create_pool,
-    num_blocks_for,
-    slab_shape,
-    slab_strides,
 )
 from gpu_pool.copy import gather, scatter
 from gpu_pool.errors import PoolError
 from gpu_pool.host import install_signal_cleanup, reclaim_stale_segments, unlink_owned_segments
 from gpu_pool.layout import KVLayout
+from gpu_pool.sizing import num_blocks_for, slab_shape, slab_strides
 
 __all__ = [
     "BACKENDS",

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool.base import _index
 from gpu_pool.errors import InvalidArgument
+from gpu_pool.sizing import _index
 
 if TYPE_CHECKING:
     import torch

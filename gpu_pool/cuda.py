@@ -137,8 +137,8 @@ class CudaBlockPool(BlockPool):
     backend = "cuda"
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: int = 0,
-                 num_sink_blocks: int = 0) -> None:
-        super().__init__(layout, num_blocks, num_sink_blocks)
+                 num_sink_blocks: int = 0, num_window_blocks: int = 0) -> None:
+        super().__init__(layout, num_blocks, num_sink_blocks, num_window_blocks)
         cupy = _cupy()
         count = cupy.cuda.runtime.getDeviceCount()
         if not isinstance(device, int) or not 0 <= device < count:
@@ -187,6 +187,7 @@ class CudaBlockPool(BlockPool):
             device_uuid=self.device_uuid,
             owner_pid=self.owner_pid,
             num_sink_blocks=self.num_sink_blocks,
+            num_window_blocks=self.num_window_blocks,
         )
 
     def close(self) -> None:

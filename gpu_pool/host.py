@@ -241,8 +241,9 @@ class HostBlockPool(_MappedBytes, BlockPool):
         mode: int = 0o600,
         shm_dir: str = SHM_DIR,
         num_sink_blocks: int = 0,
+        num_window_blocks: int = 0,
     ) -> None:
-        super().__init__(layout, num_blocks, num_sink_blocks)
+        super().__init__(layout, num_blocks, num_sink_blocks, num_window_blocks)
         if not isinstance(name_prefix, str) or not _PREFIX_RE.fullmatch(name_prefix):
             raise InvalidArgument(
                 f"name_prefix {name_prefix!r} must be letters, digits, '_', '.', "
@@ -287,9 +288,8 @@ class HostBlockPool(_MappedBytes, BlockPool):
     def _too_small(self, free: int, shm_dir: str) -> str:
         return (
             f"{shm_dir} has {format_bytes(free)} free, the pool needs "
-            f"{format_bytes(self.nbytes)} ({self.num_blocks} blocks x "
-            f"{self.layout.bytes_per_block} B); enlarge {shm_dir} (e.g. docker --shm-size) "
-            "or ask for fewer blocks"
+            f"{format_bytes(self.nbytes)} ({self.describe()}); enlarge {shm_dir} (e.g. docker "
+            "--shm-size) or ask for fewer blocks"
         )
 
     def export(self) -> PoolHandle:
@@ -303,6 +303,7 @@ class HostBlockPool(_MappedBytes, BlockPool):
             epoch=self.epoch,
             owner_pid=self.owner_pid,
             num_sink_blocks=self.num_sink_blocks,
+            num_window_blocks=self.num_window_blocks,
         )
 
     def close(self) -> None:

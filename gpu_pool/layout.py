@@ -16,7 +16,9 @@ pattern from a model config or a flag): a windowed layer needs only the KV of th
 tokens before the resume point, ceil((W - 1) / block_size) blocks, while full layers need every
 block. Each layer is an equal share of a block (every segment has the layer as its first axis), so
 `full_bytes_per_block` + `window_bytes_per_block` = `bytes_per_block`; `conversation_bytes` counts
-a cached conversation both ways. The pool still stores every layer of every block.
+a cached conversation both ways. A windowed pool stores the two kinds apart (gpu_pool/base.py):
+full parts and window parts, each laid out as a plain layout of its own layers (`full_part()`,
+`window_part()`), so the copy and quantization codecs work on either unchanged.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +218,8 @@ class KVLayout:
     def layer_bytes_per_block(self) -> int:
         """One layer's share of a block, values plus scales (exact: every segment has the
         layer as its first axis)."""
+        if not self.num_layers:  # the empty full part of an all-windowed layout
+            return 0
         return self.bytes_per_block // self.num_layers
 
     @property
@@ -246,6 +250,34 @@ class KVLayout:
         if self.sliding_window is None:
             return 0
         return -(-(self.sliding_window - 1) // self.block_size)
+
+    def full_part(self) -> KVLayout:
+        """The full-attention layers as a layout of their own, as a windowed pool stores them:
+        `num_layers` = len(full_layers), no window, every other field the same (so
+        `bytes_per_block` = this layout's `full_bytes_per_block`). Without a window: this
+        layout. All-windowed (no full layer): a layout of 0 layers and 0 bytes, which only
+        this method makes (KVLayout refuses 0 layers from anyone else; `replace` on it raises)."""
+        if not self.is_windowed:
+            return self
+        return self._part(self.num_layers - len(self.window_layers))
+
+    def window_part(self) -> KVLayout:
+        """The windowed layers as a layout of their own (`num_layers` = len(window_layers), no
+        window, every other field the same). InvalidArgument without a window."""
+        if not self.is_windowed:
+            raise InvalidArgument(f"{self!r} has no sliding window: it has no window part")
+        return self._part(len(self.window_layers))
+
+    def _part(self, num_layers: int) -> KVLayout:
+        if num_layers:
+            return replace(self, num_layers=num_layers, sliding_window=None, window_layers=())
+        part = object.__new__(KVLayout)  # 0 layers: past __post_init__, which refuses them
+        for f in fields(self):
+            object.__setattr__(part, f.name, getattr(self, f.name))
+        object.__setattr__(part, "num_layers", 0)
+        object.__setattr__(part, "sliding_window", None)
+        object.__setattr__(part, "window_layers", ())
+        return part
 
     def conversation_blocks(self, num_tokens: int) -> int:
         """Blocks one cached conversation of `num_tokens` tokens spans: ceil(T / block_size)."""
@@ -291,9 +323,11 @@ class KVLayout:
 
     def tokens_in(self, memory_bytes: int) -> int:
         """How many tokens (whole blocks) fit in `memory_bytes` of pool."""
-        return (memory_bytes // self.bytes_per_block) * self.block_size
+        return self.blocks_in(memory_bytes) * self.block_size
 
     def blocks_in(self, memory_bytes: int) -> int:
+        if not self.bytes_per_block:
+            raise InvalidArgument(f"{self!r} takes 0 bytes per block: any number fits")
         return memory_bytes // self.bytes_per_block
 
     def with_dtype(self, dtype: str, sink_tokens: int | None = None) -> KVLayout:

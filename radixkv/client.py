@@ -147,7 +147,7 @@ def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
         "num_blocks": r.num_blocks, "layout": layout.to_dict(), "epoch": r.epoch,
         "ipc_handle": base64.b64encode(r.ipc_handle).decode(), "device_id": r.device_id,
         "device_uuid": r.device_uuid, "owner_pid": r.owner_pid,
-        "num_sink_blocks": r.num_sink_blocks,
+        "num_sink_blocks": r.num_sink_blocks, "num_window_blocks": r.num_window_blocks,
     })
     return PoolInfo(layout, handle, r.max_tokens, r.max_batch, r.lease_ttl_s, r.max_lease_ttl_s)
 

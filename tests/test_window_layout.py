@@ -366,4 +366,4 @@ def test_serve_with_a_window_reports_it():
             Client(server.socket) as kv:
         layout = kv.pool_info().layout
         assert (layout.sliding_window, layout.window_layers) == (6, (0,))
-        assert layout.bytes_per_block == 1024  # the pool still stores every layer
+        assert layout.bytes_per_block == 1024  # the whole block: a full part and a window part

@@ -118,17 +118,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from gpu_pool.base import fit_blocks
+    from gpu_pool.sizing import fit_blocks, fit_window_blocks
 
     layout = layout_from_args(args)
-    num_blocks = args.num_blocks
+    num_blocks, num_window_blocks = args.num_blocks, None
+    window_fraction = window_fraction_from_args(layout, args.window_fraction)
     if args.memory:
         if layout.blocks_in(parse_bytes(args.memory)) < 1:
             raise SystemExit(f"--memory {args.memory} holds no {layout.bytes_per_block}-byte block")
-        num_blocks = fit_blocks(layout, parse_bytes(args.memory), args.kv_sink_fraction)
+        if layout.is_windowed:  # full parts and window parts, split by the window fraction
+            num_blocks, num_window_blocks = fit_window_blocks(
+                layout, parse_bytes(args.memory), window_fraction)
+            window_fraction = None
+        else:
+            num_blocks = fit_blocks(layout, parse_bytes(args.memory), args.kv_sink_fraction)
     config = ServerConfig.from_env(
         layout=layout, num_blocks=num_blocks, backend=args.backend, device=args.device,
-        sink_fraction=args.kv_sink_fraction,
+        sink_fraction=args.kv_sink_fraction, num_window_blocks=num_window_blocks,
+        window_fraction=window_fraction,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
         workers=args.workers, stream_workers=args.stream_workers,
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -150,16 +157,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from gpu_pool.layout import format_bytes
 
         pool = config.layout
-        print(f"radixkv serving on {', '.join(server.addresses)}: "  # type: ignore[attr-defined]
-              f"{config.backend} pool, {config.num_blocks} blocks x "
-              f"{format_bytes(pool.bytes_per_block)} ({pool.block_size} tokens each), "
-              f"epoch {server.pool.epoch}", flush=True)  # type: ignore[attr-defined]
-        if pool.is_windowed:
-            print(f"sliding window {pool.sliding_window} on {len(pool.window_layers)} of "
-                  f"{pool.num_layers} layers ({pool.window_pattern}): described to clients; "
-                  "the pool keeps every layer of every block", flush=True)
+        where = ", ".join(server.addresses)  # type: ignore[attr-defined]
+        if not pool.is_windowed:
+            print(f"radixkv serving on {where}: {config.backend} pool, {config.num_blocks} "
+                  f"blocks x {format_bytes(pool.bytes_per_block)} ({pool.block_size} tokens "
+                  f"each), epoch {server.pool.epoch}", flush=True)  # type: ignore[attr-defined]
+            return
+        blocks = server.pool  # type: ignore[attr-defined]
+        full = blocks.num_full_blocks * pool.full_bytes_per_block
+        window = blocks.num_window_blocks * pool.window_bytes_per_block
+        print(f"radixkv serving on {where}: {config.backend} pool, {blocks.num_full_blocks} "
+              f"full parts x {format_bytes(pool.full_bytes_per_block)} + "
+              f"{blocks.num_window_blocks} window parts x "
+              f"{format_bytes(pool.window_bytes_per_block)} ({pool.block_size} tokens each), "
+              f"epoch {blocks.epoch}", flush=True)
+        print(f"sliding window {pool.sliding_window} on {len(pool.window_layers)} of "
+              f"{pool.num_layers} layers ({pool.window_pattern}): full parts "
+              f"{format_bytes(full)} for the full-attention layers, window parts "
+              f"{format_bytes(window)} for the windowed ones ({window / (full + window):.1%} "
+              "of the pool)", flush=True)
 
     return serve(config, ready)
+
+
+def window_fraction_from_args(layout: KVLayout, text: str | None) -> float | None:
+    """--window-fraction checked against the layout (None when not given)."""
+    if text is None:
+        return None
+    from gpu_pool.sizing import check_window_fraction
+
+    if not layout.is_windowed:
+        raise InvalidArgument(f"--window-fraction {text} needs a sliding-window layout (a "
+                              "windowed preset, a model config with sliding_window, or "
+                              "--sliding-window W); this one has full attention on every layer")
+    try:
+        return check_window_fraction(layout, float(text))
+    except (InvalidArgument, ValueError) as e:
+        raise InvalidArgument(f"--window-fraction {text}: {e}") from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -240,6 +274,14 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--kv-sink-fraction", type=float, default=0.125, metavar="F",
                    help="with --kv-dtype and sink tokens: the share of blocks that can start a "
                         "sequence (sink blocks, a little larger; default 0.125)")
+    g.add_argument("--window-fraction", metavar="F",
+                   help="sliding-window layouts only: the share of the pool's bytes that holds "
+                        "window parts (the windowed layers' KV, kept only for the last window "
+                        "of each cached sequence); the rest holds full parts (the full-attention "
+                        "layers' KV of every cached block). Default: the window parts' share of "
+                        "one cached 4,096-token conversation (gemma-3-like 0.56, gpt-oss-like "
+                        "0.03); all-windowed layouts take 1. With --num-blocks (the full parts) "
+                        "it sets the window parts' count; without it there are as many")
     g = p.add_argument_group("service")
     g.add_argument("--lease-ttl", type=positive_float, default=None,
                    help="seconds a lease lives without use before its pins are dropped "

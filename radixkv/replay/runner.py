@@ -460,19 +460,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryCapacity:
+    """What a `radixkv serve --memory` pool of one layout holds."""
+
+    blocks: int  # the replayed service's capacity: blocks, or a windowed pool's full parts
+    sink_fraction: float
+    window_blocks: int = 0  # a sliding-window pool's window parts (reported beside)
+    note: str = ""  # for the report: how a windowed pool's memory splits
+
+
 def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
-                    sink_fraction: float) -> tuple[int, float]:
-    """(blocks, sink fraction) of `preset`'s layout stored as `kv_dtype` in `memory` bytes:
-    what a `radixkv serve --memory` pool of that format holds."""
-    from gpu_pool.base import fit_blocks
+                    sink_fraction: float) -> MemoryCapacity:
+    """The blocks of `preset`'s layout stored as `kv_dtype` in `memory` bytes: what a
+    `radixkv serve --memory` pool of that format holds. A sliding-window preset's pool holds
+    full parts and window parts (gpu_pool.sizing.fit_window_blocks, the default window fraction;
+    quantized without sink tokens, as such a pool must be): the replay gets the full parts as
+    its blocks, one per cached block position, and the note reports both counts."""
     from gpu_pool.layout import KVLayout, parse_bytes
+    from gpu_pool.sizing import default_window_fraction, fit_blocks, fit_window_blocks
 
     layout = KVLayout.from_preset(preset, None, block_size)
-    layout = layout.with_dtype(kv_dtype) if kv_dtype != layout.dtype else layout
+    if kv_dtype != layout.dtype:
+        layout = layout.with_dtype(kv_dtype, 0 if layout.is_windowed else None)
+    if layout.is_windowed:
+        full, windows = fit_window_blocks(layout, parse_bytes(memory))
+        note = (f"--memory {memory} of {preset} ({kv_dtype}, sliding window "
+                f"{layout.sliding_window} on {len(layout.window_layers)} of "
+                f"{layout.num_layers} layers) holds {full:,} full parts and {windows:,} window "
+                f"parts (window fraction {default_window_fraction(layout):.3f}); the replay "
+                f"caches {full:,} blocks, one per full part")
+        return MemoryCapacity(full, 0.0, windows, note)
     blocks = fit_blocks(layout, parse_bytes(memory), sink_fraction)
     if blocks < 1:
         raise InvalidArgument(f"--memory {memory} holds no {kv_dtype} block of {preset}")
-    return blocks, sink_fraction if layout.sink_tokens else 0.0
+    return MemoryCapacity(blocks, sink_fraction if layout.sink_tokens else 0.0)
 
 
 def _is_mooncake(path: str) -> bool:
@@ -497,10 +519,11 @@ def main(args: argparse.Namespace) -> int:
     target = args.target
     if target is not None and target.startswith("/"):
         target = f"unix://{target}"
-    capacity, sink_fraction = args.capacity_blocks, 0.0
+    capacity, sink_fraction, note = args.capacity_blocks, 0.0, ""
     if args.memory:
-        capacity, sink_fraction = memory_capacity(args.preset, args.kv_dtype, block_size,
-                                                  args.memory, args.kv_sink_fraction)
+        counted = memory_capacity(args.preset, args.kv_dtype, block_size, args.memory,
+                                  args.kv_sink_fraction)
+        capacity, sink_fraction, note = counted.blocks, counted.sink_fraction, counted.note
     report = run_replay(
         requests, target=target, block_size=block_size, capacity_blocks=capacity,
         sink_fraction=sink_fraction,
@@ -510,6 +533,8 @@ def main(args: argparse.Namespace) -> int:
         num_windows=args.windows, progress=True,
         trace_name=args.trace, nodes=args.nodes, router=args.router, routing=args.routing,
         kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints)
+    if note:
+        report = replace(report, notes=(*report.notes, note))
     paths = write_plots(report, args.plots) if args.plots else []
     if args.json:
         out = report.to_dict()

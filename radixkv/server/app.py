@@ -41,7 +41,9 @@ class RadixKVServer:
         self._stopped = threading.Event()
         self.pool = create_pool(config.layout, num_blocks=config.num_blocks,
                                 backend=config.backend, device=config.device,
-                                sink_fraction=config.sink_fraction)
+                                sink_fraction=config.sink_fraction,
+                                num_window_blocks=config.num_window_blocks,
+                                window_fraction=config.window_fraction)
         try:
             self.service = KVService(self.pool, config.service)
             self._server = self._build()
@@ -110,9 +112,8 @@ class RadixKVServer:
         self._sweeper.start()
         if cfg.cluster:
             self._join_cluster()
-        log.info("radixkv serving on %s: %s pool, %d blocks x %d B, epoch %s",
-                 ", ".join(self.addresses), self.pool.backend, self.pool.num_blocks,
-                 self.pool.layout.bytes_per_block, self.pool.epoch)
+        log.info("radixkv serving on %s: %s pool, %s, epoch %s", ", ".join(self.addresses),
+                 self.pool.backend, self.pool.describe(), self.pool.epoch)
         if self.metrics_url:
             log.info("metrics on %s", self.metrics_url)
 

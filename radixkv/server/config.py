@@ -67,8 +67,12 @@ def check_socket_dir(socket_path: str) -> None:
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     layout: KVLayout = field(default_factory=lambda: KVLayout.from_preset("llama-3.2-1b"))
-    num_blocks: int = 1024
+    num_blocks: int = 1024  # a sliding-window layout: its full parts
     sink_fraction: float = 0.125  # quantized layouts with sink tokens: share of sink blocks
+    # sliding-window layouts: the window parts beside num_blocks full parts (None: as many), or
+    # the share of the pool's bytes they take (gpu_pool.base.create_pool)
+    num_window_blocks: int | None = None
+    window_fraction: float | None = None
     backend: str = "host"
     device: int = 0
     socket: str | None = None  # None: default_socket_path(); "" with tcp set: TCP only

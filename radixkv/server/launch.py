@@ -81,8 +81,9 @@ def start_server(socket: str, *flags: str, timeout: float = 60.0,
         if SOCKET_TAKEN in text:
             raise AlreadyExists(text.strip())
         raise Unavailable(f"radixkv serve exited {proc.returncode} before serving:\n{text}")
+    banner = lines[-1]  # before the drain thread appends what the server prints next
     threading.Thread(target=lambda: lines.extend(out), daemon=True).start()
-    return ServerProcess(proc, socket, lines[-1], lines)
+    return ServerProcess(proc, socket, banner, lines)
 
 
 @contextlib.contextmanager

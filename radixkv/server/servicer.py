@@ -168,7 +168,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             max_tokens=self.max_tokens, owner_pid=h.owner_pid, max_batch=MAX_BATCH,
             lease_ttl_s=self.service.config.lease_ttl_s,
             max_lease_ttl_s=self.service.config.max_lease_ttl_s,
-            num_sink_blocks=h.num_sink_blocks)
+            num_sink_blocks=h.num_sink_blocks, num_window_blocks=h.num_window_blocks)
 
     @rpc
     def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
