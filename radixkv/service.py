@@ -231,7 +231,7 @@ class KVService:
         self._num_expired = 0
         self._ticks = itertools.count(1)  # one LRU clock for every namespace's tree
         # one policy state for every namespace's tree: their victims compare
-        self._policies = policy_factory(self.config.policy, pool.num_blocks)
+        self._policies = policy_factory(self.config.policy, pool.num_full_blocks)
         # Lease ids: a random start per service life, so ids from an earlier start are unknown.
         self._lease_ids = itertools.count(secrets.randbits(62) + 1)
 
@@ -319,12 +319,12 @@ class KVService:
         windows = num_window_blocks
         if windows and not self.window_blocks:
             raise InvalidArgument("window parts asked of a pool without a sliding window")
-        if not 0 <= windows <= getattr(self.pool, "num_window_blocks", 0):
+        if not 0 <= windows <= self.pool.num_window_blocks:
             raise InvalidArgument(f"num_window_blocks must be in 0.."
-                                  f"{getattr(self.pool, 'num_window_blocks', 0)}, got {windows}")
-        if not (0 if windows else 1) <= num_blocks <= self.pool.num_blocks:
+                                  f"{self.pool.num_window_blocks}, got {windows}")
+        if not (0 if windows else 1) <= num_blocks <= self.pool.num_full_blocks:
             raise InvalidArgument(
-                f"num_blocks must be in 1..{self.pool.num_blocks}, got {num_blocks}")
+                f"num_blocks must be in 1..{self.pool.num_full_blocks}, got {num_blocks}")
         ttl = self._ttl(ttl_s)
         with self._lock:
             if lease_id:
@@ -471,7 +471,7 @@ class KVService:
             pinned = sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())
             return ServiceStats(
                 event_sequence=self.events.last_sequence,
-                num_blocks=self.pool.num_blocks,
+                num_blocks=self.pool.num_full_blocks,
                 free_blocks=self.pool.num_free,
                 leased_blocks=len(self._lease_of_block),
                 cached_blocks=cached,
@@ -487,8 +487,8 @@ class KVService:
                 evicted_blocks=life.evicted_blocks,
                 uptime_s=self._clock() - self._started,
                 namespaces=spaces,
-                window_blocks=getattr(self.pool, "num_window_blocks", 0),
-                free_window_blocks=getattr(self.pool, "num_free_window", 0),
+                window_blocks=self.pool.num_window_blocks,
+                free_window_blocks=self.pool.num_free_window,
                 cached_window_blocks=self._cached_windows(),
             )
 
@@ -532,7 +532,7 @@ class KVService:
                                              f"to lease {self._lease_of_block.get(b)}")
             cached = sum(ns.tree.num_cached_blocks for ns in self._namespaces.values())
             cached += self._cached_windows()  # window parts: ids of the same pool
-            free = self.pool.num_free + getattr(self.pool, "num_free_window", 0)
+            free = self.pool.num_free + self.pool.num_free_window
             total = free + leased + cached
             if total != self.pool.num_blocks:
                 raise IntegrityError(
@@ -597,9 +597,10 @@ class KVService:
         if len(set(block_ids)) != len(block_ids):
             raise InvalidArgument("block ids repeat within one insert")
         for b in block_ids:
-            if not 0 <= b < self.pool.num_blocks:
+            if not 0 <= b < self.pool.num_full_blocks:
                 raise InvalidArgument(f"block id {b} is out of range (pool has "
-                                      f"{self.pool.num_blocks} blocks)")
+                                      f"{self.pool.num_full_blocks} blocks"
+                                      + (", then window parts)" if self.window_blocks else ")"))
         if self.pool.num_sink_blocks and block_ids and not self.pool.is_sink(block_ids[0]):
             raise InvalidArgument(
                 f"block {block_ids[0]} holds position 0 but is not a sink block: this pool "
@@ -839,7 +840,7 @@ class KVService:
                 f"asked {num_blocks} blocks: {self.pool.num_free} free, {evictable} evictable, "
                 f"{len(self._lease_of_block)} leased, "
                 f"{sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())} pinned "
-                f"(pool {self.pool.num_blocks})")
+                f"(pool {self.pool.num_full_blocks})")
         evicted = 0
         while evicted < need:
             keyed = sorted((key, name) for name, ns in self._namespaces.items()

@@ -121,8 +121,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gpu_pool.sizing import fit_blocks, fit_window_blocks
 
     layout = layout_from_args(args)
-    num_blocks, num_window_blocks = args.num_blocks, None
+    num_blocks, num_window_blocks = args.num_blocks, args.num_window_blocks
     window_fraction = window_fraction_from_args(layout, args.window_fraction)
+    if num_window_blocks is not None and (not layout.is_windowed or args.memory
+                                          or window_fraction is not None):
+        raise SystemExit("--num-window-blocks needs a sliding-window layout and --num-blocks "
+                         "(not --memory or --window-fraction)")
     if args.memory:
         if layout.blocks_in(parse_bytes(args.memory)) < 1:
             raise SystemExit(f"--memory {args.memory} holds no {layout.bytes_per_block}-byte block")
@@ -282,6 +286,9 @@ def _add_serve(sub: Any) -> None:
                         "one cached 4,096-token conversation (gemma-3-like 0.56, gpt-oss-like "
                         "0.03); all-windowed layouts take 1. With --num-blocks (the full parts) "
                         "it sets the window parts' count; without it there are as many")
+    g.add_argument("--num-window-blocks", type=positive_int, metavar="N",
+                   help="sliding-window layouts with --num-blocks: exactly N window parts "
+                        "(instead of --window-fraction)")
     g = p.add_argument_group("service")
     g.add_argument("--lease-ttl", type=positive_float, default=None,
                    help="seconds a lease lives without use before its pins are dropped "

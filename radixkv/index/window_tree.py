@@ -178,13 +178,11 @@ class WindowedRadixTree(RadixTree):
 
     def evict(self, num_blocks: int) -> list[int]:
         """RadixTree.evict (full parts, from the policy's leaves); the trimmed blocks' window
-        parts go too and follow the full parts in the returned ids."""
+        parts go too and follow the full parts in the returned ids (the BlockRemoved event
+        covers both parts)."""
         freed = super().evict(num_blocks)
         gone, self._gone = self._gone, []
-        wins = [w for _, w in gone]
-        if wins and self._events is not None:
-            self._events.append(WindowRemoved(tuple(b for b, _ in gone), tuple(wins)))
-        return freed + wins
+        return freed + [w for _, w in gone]  # their BlockRemoved says both parts went
 
     def evict_windows(self, num_windows: int) -> list[int]:
         """Free up to `num_windows` window parts alone: unlocked, outside every leaf's tail
