@@ -55,6 +55,7 @@ class ClientArgs:
     verify: bool
     speed: float
     round_trips: int = 2  # 2: Match allocates and Insert releases; 4: the four-call path
+    window_blocks: int = 0  # a sliding-window pool: blocks a resume needs window parts of
     router: str = ""  # a cluster: choose each request's member (radixkv.replay.routing)
     routing: str = "cache-aware"
 
@@ -68,9 +69,17 @@ class BlockBytes:
         self.epoch = mapping.epoch
         if bpb < 8:
             raise InvalidArgument(f"verification needs >= 8 bytes per block, the pool has {bpb}")
-        self.torch = mapping.backend != "host" or mapping.num_sink_blocks > 0
+        self.torch = (mapping.backend != "host" or mapping.num_sink_blocks > 0
+                      or mapping.num_window_blocks > 0)
         self.bytes: Any
-        if mapping.num_sink_blocks:  # the sink region's rows after the regular ones
+        self.windows: BlockBytes | None = None  # a sliding-window pool's window parts
+        if mapping.num_window_blocks:  # two regions: full parts, then window parts
+            full = mapping.view()
+            self.bytes = _rows(full) if full.numel() else None  # all-windowed: no bytes
+            self.windows = BlockBytes.__new__(BlockBytes)
+            self.windows.epoch, self.windows.torch, self.windows.windows = self.epoch, True, None
+            self.windows.bytes = _Offset(_rows(mapping.window_view()), mapping.num_full_blocks)
+        elif mapping.num_sink_blocks:  # the sink region's rows after the regular ones
             self.bytes = _Rows(mapping.view(), mapping.sink_view())
         elif self.torch:
             import torch
@@ -100,6 +109,28 @@ class BlockBytes:
         else:
             rows = self.bytes[list(ids), :8]
         return np.ascontiguousarray(rows).view("<u8").ravel()
+
+
+def _rows(t: Any) -> Any:
+    """A typed block tensor [blocks, ...] as uint8 rows [blocks, bytes]."""
+    import torch
+
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+class _Offset:
+    """Rows addressed by global block ids starting at `first` (a pool's window parts)."""
+
+    def __init__(self, rows: Any, first: int) -> None:
+        self.rows, self.first, self.device = rows, first, rows.device
+
+    def __setitem__(self, key: Any, rows: Any) -> None:
+        idx, cols = key
+        self.rows[idx - self.first, cols] = rows
+
+    def __getitem__(self, key: Any) -> Any:
+        idx, cols = key
+        return self.rows[idx - self.first, cols]
 
 
 class _Rows:
@@ -221,27 +252,41 @@ def _request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verif
         match_ns = clock() - t
         hit = m.num_tokens
         matched = len(m.block_ids)
+        checks: list[tuple[Any, tuple[int, ...], int]] = []  # (region, ids, first block)
         if pool is not None and matched:
-            got = pool.read(m.block_ids)
-            bad = np.flatnonzero(got != keys[:matched])
-            verified += matched
+            if pool.bytes is not None:
+                checks.append((pool, m.block_ids, 0))
+            if pool.windows is not None:
+                checks.append((pool.windows, m.window_ids, matched - len(m.window_ids)))
+        for region, ids, first in checks:
+            got = region.read(ids)
+            bad = np.flatnonzero(got != keys[first:first + len(ids)])
+            verified += len(ids)
             mismatches += int(bad.size)
             for i in bad[: max(0, 5 - len(examples))]:
-                examples.append(f"request {index} block {i} (pool id {m.block_ids[i]}): "
-                                f"expected {int(keys[i]):#018x}, read {int(got[i]):#018x}")
+                examples.append(f"request {index} block {first + i} (pool id {ids[i]}): "
+                                f"expected {int(keys[first + i]):#018x}, "
+                                f"read {int(got[i]):#018x}")
         need = len(tokens) // bb - matched
         new = m.new_block_ids
-        if need > 0 and not new:  # the four-call path, or no room at Match time
+        windows = m.new_window_ids  # a sliding-window pool: the new tail's window parts
+        if need > 0 and not new and not args.window_blocks:  # four calls, or no room yet
+            # (a sliding-window pool replays on two round trips; without room it stores none)
             t = clock()
             new = _allocate(kv, m.lease_id, min(need, args.capacity_blocks))
             alloc_ns = clock() - t
         if new and pool is not None:
-            pool.write(new, keys[matched : matched + len(new)])
+            end = matched + len(new)
+            if pool.bytes is not None:
+                pool.write(new, keys[matched:end])
+            if pool.windows is not None and windows:
+                pool.windows.write(windows, keys[end - len(windows):end])
         inserted = bool(new or matched)
         if inserted:
             t = clock()
             kv.insert(namespace, tokens[: (matched + len(new)) * bb], m.block_ids + new,
-                      m.lease_id, m.epoch, release=two, hint=hint)
+                      m.lease_id, m.epoch, release=two, hint=hint,
+                      window_ids=windows if new else ())
             insert_ns = clock() - t
         if not (inserted and two):
             t = clock()

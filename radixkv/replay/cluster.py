@@ -13,20 +13,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayWindow:
+    """A replay of a sliding-window model: its window and how many window parts the pool has
+    beside its full parts (the replay's capacity_blocks)."""
+
+    sliding_window: int  # W tokens
+    window_parts: int
+    all_windowed: bool = False  # every layer windowed (Mistral): full parts hold no bytes
+
+
 def service_flags(directory: str, block_size: int, capacity_blocks: int,
-                  policy: str, sink_fraction: float = 0.0) -> tuple[str, ...]:
+                  policy: str, sink_fraction: float = 0.0,
+                  window: ReplayWindow | None = None) -> tuple[str, ...]:
     """`radixkv serve` flags of a replay's service: a tiny layout written to `directory`.
     `sink_fraction` > 0 gives the pool a sink region of that share, as a quantized pool with
-    sink tokens has (the tiny layout then stores int8)."""
+    sink tokens has (the tiny layout then stores int8). `window`: a sliding-window pool of
+    `capacity_blocks` full parts and `window.window_parts` window parts (two tiny layers: the
+    first windowed, the second full, unless all are windowed)."""
     config = os.path.join(directory, "config.json")
     with open(config, "w") as f:  # fp16, 1 layer/head/dim: 4 x block_size bytes per block
-        json.dump({"num_hidden_layers": 1, "num_attention_heads": 1,
+        json.dump({"num_hidden_layers": 2 if window else 1, "num_attention_heads": 1,
                    "num_key_value_heads": 1, "head_dim": 2 if block_size == 1 else 1,
                    "torch_dtype": "float16"}, f)
     sinks = ("--kv-dtype", "int8", "--kv-sink-fraction", str(sink_fraction),
              "--kv-sink-tokens", str(min(4, block_size - 1))) if sink_fraction else ()
+    windowed = ("--sliding-window", str(window.sliding_window), "--window-layers",
+                "all" if window.all_windowed else "0", "--num-window-blocks",
+                str(window.window_parts)) if window else ()
     return ("--model-config", config, "--block-size", str(block_size),
-            "--num-blocks", str(capacity_blocks), "--policy", policy, *sinks)
+            "--num-blocks", str(capacity_blocks), "--policy", policy, *sinks, *windowed)
 
 
 @dataclass

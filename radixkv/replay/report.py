@@ -108,6 +108,9 @@ class ReplayReport:
     insert_samples_us: tuple[float, ...] = field(default=(), repr=False)
     per_request_hit_tokens: tuple[int, ...] = field(default=(), repr=False)  # trace order
     cluster: Cluster | None = None  # a replay over a cluster's members, through a router
+    window_parts: int = 0  # a sliding-window pool's window parts (capacity_blocks: full parts)
+    conversations: int = 0  # with conversations counted: chains of prompts in the trace
+    conversations_held: int = 0  # ... whose last prompt is cached whole at the end
 
     # prefill saved: every hit token is one the engine does not recompute
     @property
@@ -284,6 +287,12 @@ def render_report(report: ReplayReport) -> Any:
     head.add_row("throughput", f"{r.requests_per_s:,.0f} requests/s ({r.wall_s:.1f} s)")
     head.add_row("cache", f"{r.evicted_blocks:,} blocks evicted, peak {r.peak_cached_blocks:,}"
                  f" cached, {r.dropped_blocks:,} not cached for lack of room")
+    if r.window_parts:
+        head.add_row("window", f"{r.window_parts:,} window parts beside the "
+                     f"{r.capacity_blocks:,} full parts")
+    if r.conversations:
+        head.add_row("conversations", f"{r.conversations_held:,} of {r.conversations:,} held "
+                     "whole at the end (their last prompt resumable)")
     verdict = ("[green]0 mismatches[/]" if not r.mismatches else
                f"[bold red]{r.mismatches:,} MISMATCHES[/]")
     head.add_row("verification", f"{r.verified_blocks:,} hit blocks checked: {verdict}"

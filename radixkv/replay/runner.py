@@ -59,7 +59,13 @@ from radixkv.errors import InvalidArgument, RadixKVError
 from radixkv.index.eviction import DEFAULT_POLICY
 from radixkv.index.eviction import POLICIES as EVICTION_POLICIES
 from radixkv.replay.client import ClientArgs, block_keys, client_main
-from radixkv.replay.cluster import ClusterRun, ClusterStats, service_flags, start_cluster
+from radixkv.replay.cluster import (
+    ClusterRun,
+    ClusterStats,
+    ReplayWindow,
+    service_flags,
+    start_cluster,
+)
 from radixkv.replay.hints import trace_hints
 from radixkv.replay.report import (
     Cluster,
@@ -87,13 +93,14 @@ MOONCAKE_BLOCK_SIZE = 512
 @contextlib.contextmanager
 def start_service(
     block_size: int, capacity_blocks: int, policy: str = DEFAULT_POLICY,
-    sink_fraction: float = 0.0,
+    sink_fraction: float = 0.0, window: ReplayWindow | None = None,
 ) -> Iterator[str]:
     """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
     `sink_fraction` > 0 gives the pool a sink region of that share, as a quantized pool with
     sink tokens has (the tiny layout then stores int8). SIGTERM at exit."""
     with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
-        flags = service_flags(directory, block_size, capacity_blocks, policy, sink_fraction)
+        flags = service_flags(directory, block_size, capacity_blocks, policy, sink_fraction,
+                              window)
         with server_process(*flags) as server:
             yield server.socket
 
@@ -161,6 +168,7 @@ class ReplayOptions:
     routing: str = "cache-aware"  # over a cluster: radixkv.replay.routing
     kill_member_after: int | None = None  # SIGKILL one member after this many requests
     hints: bool = False  # send retention hints derived from the trace (radixkv.replay.hints)
+    conversations: bool = False  # count the conversations held at the end
 
 
 def run_replay(
@@ -186,6 +194,8 @@ def run_replay(
     kill_member_after: int | None = None,
     reference: bool = False,
     hints: bool = False,
+    window: ReplayWindow | None = None,
+    conversations: bool = False,
 ) -> ReplayReport:
     """Replay `requests` (Requests, or a Mooncake / token JSONL path, streamed) against the
     service at `target`, or against one started for the run with `block_size`,
@@ -198,11 +208,18 @@ def run_replay(
     cluster started here) once that many requests are done. `reference`: also replay the trace
     on one node of nodes x capacity_blocks, the figure the cluster should approach. `hints`:
     send each request's retention hint derived from the trace's future (client-supplied
-    knowledge; one extra pass over the trace first)."""
+    knowledge; one extra pass over the trace first). `window`: the started service caches a
+    sliding-window model (capacity_blocks full parts beside window.window_parts window parts;
+    two round trips only). `conversations`: at the end, count the conversations whose last
+    prompt is still cached whole (ReplayReport.conversations_held; one more pass over the
+    trace)."""
     if clients < 1:
         raise InvalidArgument(f"clients must be >= 1, got {clients}")
     if round_trips not in (2, 4):
         raise InvalidArgument(f"round_trips must be 2 or 4, got {round_trips}")
+    if window is not None and (round_trips != 2 or nodes or router or target):
+        raise InvalidArgument("a sliding-window replay runs on a service it starts, with two "
+                              "round trips")
     if speed < 0 or prefill_tokens_per_s <= 0:
         raise InvalidArgument("speed must be >= 0 and prefill_tokens_per_s > 0")
     from radixkv.replay.routing import POLICIES
@@ -217,7 +234,8 @@ def run_replay(
     opts = ReplayOptions(
         trace_name or (str(requests) if isinstance(requests, str | Path) else "requests"),
         clients, policy, speed, verify, prefill_tokens_per_s, num_windows, progress,
-        _count_requests(requests, limit), round_trips, routing, kill_member_after, hints)
+        _count_requests(requests, limit), round_trips, routing, kill_member_after, hints,
+        conversations)
 
     if not isinstance(requests, str | Path):  # a path is streamed; others kept (reference)
         requests = list(itertools.islice(requests, limit))
@@ -226,7 +244,7 @@ def run_replay(
     def source() -> Iterable[Request]:
         return iter_trace(requests, limit) if isinstance(requests, str | Path) else requests
 
-    again = source if hints else None  # a second reading of the trace, for the hints
+    again = source if hints or conversations else None  # a second reading of the trace
     if router is not None:
         return _run(source(), "", None, opts, ClusterRun(router), again)
     if block_size < 1 or capacity_blocks < 1:
@@ -247,7 +265,7 @@ def run_replay(
         return report
     if target is not None:
         return _run(source(), target, None, opts, None, again)
-    with start_service(block_size, capacity_blocks, policy, sink_fraction) as sock:
+    with start_service(block_size, capacity_blocks, policy, sink_fraction, window) as sock:
         return _run(source(), sock, (block_size, capacity_blocks), opts, None, again)
 
 
@@ -267,12 +285,20 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
     kv: Any = ClusterStats(cluster.router) if cluster is not None else Client(target)
     with kv:
         kv.wait_ready()
+        window_blocks = 0
         if cluster is not None:
             block_size, capacity, bytes_per_block = kv.geometry()
         else:
             info = kv.pool_info()
-            block_size, capacity = info.layout.block_size, info.handle.num_blocks
+            block_size = info.layout.block_size
+            capacity = info.handle.num_blocks - info.handle.num_window_blocks
             bytes_per_block = info.layout.bytes_per_block
+            window_blocks = info.layout.window_blocks
+            if window_blocks:
+                notes.append(f"sliding window of {info.layout.sliding_window} tokens: "
+                             f"{capacity:,} full parts and {info.handle.num_window_blocks:,} "
+                             f"window parts; a resume needs the last {window_blocks} blocks' "
+                             "window parts (the optimum and ceiling count full parts only)")
         where = f"the cluster behind router {cluster.router}" if cluster else target
         if own is None:
             prefix = f"replay-{uuid.uuid4().hex[:8]}/"
@@ -294,7 +320,8 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         start = ctx.Value("d", 0.0)
         barrier = ctx.Barrier(opts.clients + 1)
         args = ClientArgs(target, block_size, capacity, opts.verify, opts.speed,
-                          opts.round_trips, cluster.router if cluster else "", opts.routing)
+                          opts.round_trips, router=cluster.router if cluster else "",
+                          routing=opts.routing, window_blocks=window_blocks)
         procs = [ctx.Process(target=client_main, args=(args, jobs, results, done, barrier,
                                                         start), daemon=True)
                  for _ in range(opts.clients)]
@@ -324,12 +351,18 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         feeder.join()
         if trace.error is not None:
             raise trace.error
+        held = (_conversations_held(kv, again(), block_size, prefix)
+                if opts.conversations and again is not None else None)
         after = kv.stats(check_integrity=own is not None)
     peak = max(peak, int(after["cached_blocks"]))
     run = RunConfig(opts.name, "" if own is not None else where, policy, block_size,
                     capacity * nodes, opts.clients, opts.speed, opts.verify,
                     opts.prefill_tokens_per_s, opts.num_windows, prefix, opts.round_trips)
     report = build_report(run, trace, outs, wall, before, after, peak, notes)
+    if held is not None:
+        report = replace(report, conversations=held[0], conversations_held=held[1])
+    if window_blocks:
+        report = replace(report, window_parts=int(after["window_blocks"]))
     if cluster is None:
         return report
     counts: dict[str, int] = {}
@@ -342,6 +375,24 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         nodes, opts.routing, cluster.router, capacity, tuple(sorted(counts.items())),
         Cluster.imbalance(list(counts.values())), Latency.of(route[route >= 0] / 1e3),
         tuple(cluster.killed)))
+
+
+def _conversations_held(kv: Any, requests: Iterable[Request], block_size: int,
+                        prefix: str) -> tuple[int, int]:
+    """(conversations, how many are still cached whole): a conversation is a chain of prompts
+    each extending the last (radixkv.replay.hints), counted by its last prompt; it is held when
+    a Match resumes that prompt's every full block. The matches' leases end at once."""
+    reqs = [r for r in requests if r.num_tokens >= block_size]
+    ends = [r for r, h in zip(reqs, trace_hints(reqs, block_size), strict=True)
+            if h == "session_end"]
+    held = 0
+    for start in range(0, len(ends), 256):
+        batch = ends[start:start + 256]
+        found = kv.match_many([(prefix + r.namespace, r.tokens) for r in batch])
+        kv.release(*[m.lease_id for m in found])
+        held += sum(m.num_tokens == r.num_tokens // block_size * block_size
+                    for m, r in zip(found, batch, strict=True))
+    return len(ends), held
 
 
 def _collect(kv: Any, procs: list[Any], results: Any, done: Any, t0: float,
