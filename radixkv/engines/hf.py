@@ -33,6 +33,7 @@ import torch
 
 from gpu_pool.layout import KVLayout
 from radixkv.client import STORE_ALL, Client, Lease
+from radixkv.engines.window_cache import cache_layers as cache_layers  # re-exported
 from radixkv.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVError
 
 log = logging.getLogger("radixkv.engines.hf")
@@ -45,14 +46,6 @@ def pool_layout_for(model_config: Any, block_size: int, dtype: str | None = None
     dict); `dtype` defaults to the config's torch_dtype."""
     cfg = model_config if isinstance(model_config, dict) else model_config.to_dict()
     return KVLayout.from_hf_config(cfg, dtype=dtype, block_size=block_size)
-
-
-def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer of a transformers DynamicCache, each [batch, kv_heads, seq,
-    head_dim]; no copy."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
 
 
 @dataclass(frozen=True, slots=True)
