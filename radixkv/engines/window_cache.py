@@ -4,7 +4,8 @@ A windowed layer (window W; Hugging Face convention: a query attends to itself a
 tokens before it) needs, to resume a prompt at position p, only the KV of positions
 [max(0, p - W + 1), p); a full-attention layer needs [0, p). The pool keeps a cached block's
 window part (the windowed layers' KV) only for the last `window_blocks` = ceil((W - 1) / B)
-blocks of a match, so the cache the engine resumes from is:
+blocks of a match (the engine stores them for a sequence's last ceil(W / B) blocks:
+`stored_window_blocks`), so the cache the engine resumes from is:
 
     positions   0                    p-W+1           p             n
     full        |=============== pool ===============|-- forward --|
@@ -31,12 +32,14 @@ where the window saves memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from gpu_pool.layout import KVLayout
+from radixkv.errors import FailedPrecondition
 
 
 def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,15 +65,28 @@ def window_start(layout: KVLayout, p: int) -> int:
     return max(0, p - layout.sliding_window + 1)
 
 
+def _short_tail(layout: KVLayout) -> bool:
+    """W - 1 is a multiple of the block size: the window parts of the last window_blocks
+    blocks before p cover [p - W + 1, p) exactly, not position p - W."""
+    return (layout.sliding_window is not None
+            and layout.window_blocks * layout.block_size < layout.sliding_window)
+
+
+def stored_window_blocks(layout: KVLayout) -> int:
+    """How many of a stored sequence's last blocks get window parts: ceil(W / B). That is
+    `window_blocks` (ceil((W - 1) / B), what a resume at the block boundary reads), plus one
+    when W - 1 is a multiple of B, for the resume one block back that `match_length` asks of a
+    fully cached block-aligned prompt. 0 without a window."""
+    return layout.window_blocks + 1 if _short_tail(layout) else layout.window_blocks
+
+
 def match_length(layout: KVLayout, num_tokens: int) -> int:
     """How many leading tokens of a `num_tokens` prompt to Match. The last token is always
-    computed (p <= n - 1): resuming a fully cached block-aligned prompt at n - 1 needs window
-    positions from n - W, one before the window parts of the last ceil((W - 1) / B) blocks when
-    (W - 1) is a multiple of B. Then the prompt is matched without its last token (its last
-    block is recomputed); otherwise the whole prompt."""
-    block = layout.block_size
-    if (layout.sliding_window is not None and num_tokens % block == 0
-            and layout.window_blocks * block < layout.sliding_window):
+    computed (p <= n - 1): resuming a fully cached block-aligned prompt at n - 1 reads window
+    positions from n - W, one more than the window parts of its last window_blocks blocks hold
+    when W - 1 is a multiple of B. Such a prompt is matched without its last token (resumed a
+    block back, from the extra window part `stored_window_blocks` keeps); any other, whole."""
+    if _short_tail(layout) and num_tokens % layout.block_size == 0:
         return num_tokens - 1
     return num_tokens
 
@@ -146,7 +162,7 @@ class BlockKV:
 def extract(layout: KVLayout, cache: Any, first_block: int, end_block: int) -> BlockKV:
     """The KV a windowed pool takes for new blocks [first_block, end_block) from `cache` (one
     built by `build_cache` or `new_cache` and run forward past end_block * block_size): full
-    parts of all of them, window parts of the last `layout.window_blocks` of them. The
+    parts of all of them, window parts of the last `stored_window_blocks` of them. The
     windowed layers' positions read are all past the resume point, so none is a zero of
     `build_cache`. Copies."""
     block = layout.block_size
@@ -157,7 +173,7 @@ def extract(layout: KVLayout, cache: Any, first_block: int, end_block: int) -> B
     if not 0 <= first_block <= end_block or end_block * block > length:
         raise ValueError(f"blocks {first_block}-{end_block - 1} of block size {block} from a "
                          f"cache of {length} positions")
-    window_first = max(first_block, end_block - layout.window_blocks)
+    window_first = max(first_block, end_block - stored_window_blocks(layout))
 
     def stack(which: tuple[int, ...], first: int) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = first * block, end_block * block
@@ -173,3 +189,70 @@ def extract(layout: KVLayout, cache: Any, first_block: int, end_block: int) -> B
     full_k, full_v = stack(layout.full_layers, first_block)
     window_k, window_v = stack(layout.window_layers, window_first)
     return BlockKV(full_k, full_v, window_k, window_v, first_block, window_first, end_block)
+
+
+# ---- a lease on a sliding-window pool ---------------------------------------------------------
+
+class WindowPool(Protocol):
+    """What the engine uses of a sliding-window pool mapping: both parts in the engine layout
+    [layers, tokens, kv_heads, head_dim], full parts of `KVLayout.full_layers`, window parts of
+    `window_layers`."""
+
+    def read(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read_window(self, window_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def write(self, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def write_window(self, window_ids: Sequence[int], k: torch.Tensor,
+                     v: torch.Tensor) -> None: ...
+
+
+class WindowLease(Protocol):
+    """What the engine uses of a lease on a sliding-window pool: `block_ids` are the full parts
+    of the matched blocks [0, d), `window_ids` the window parts of the last min(d,
+    window_blocks) of them; `allocate` gives full parts, `allocate_window` window parts, and
+    `insert`'s `window_ids` belong to the last len(window_ids) blocks inserted."""
+
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    window_ids: tuple[int, ...]
+
+    def pool(self) -> WindowPool: ...
+    def allocate(self, num_blocks: int) -> tuple[int, ...]: ...
+    def allocate_window(self, num_blocks: int) -> tuple[int, ...]: ...
+    def insert(self, tokens: Any, block_ids: Sequence[int], release: bool = False,
+               hint: str | None = None, *, window_ids: Sequence[int] = ()) -> Any: ...
+
+
+def read_cache(layout: KVLayout, lease: Any, use: int,
+               device: torch.device | str | None = None) -> Any:
+    """`build_cache` at `use` from a lease on a sliding-window pool (a `WindowLease`): the full
+    parts of its first ceil(use / B) matched blocks, the window parts it holds (those of the
+    last matched blocks). FailedPrecondition for a client that reads no window parts."""
+    if not use:
+        return new_cache()
+    window_ids: tuple[int, ...] | None = getattr(lease, "window_ids", None)
+    if window_ids is None:
+        raise FailedPrecondition("the radixkv service holds a sliding-window pool but this "
+                                 "client reads no window parts (lease.window_ids)")
+    pool: WindowPool = lease.pool()
+    block = layout.block_size
+    if layout.full_layers:
+        k, v = pool.read(lease.block_ids[:-(-use // block)])
+    else:  # all-windowed: full parts hold no layer
+        k = v = torch.empty(0, use, layout.num_kv_heads, layout.head_dim)
+    window_k, window_v = pool.read_window(window_ids)
+    window_first = (len(lease.block_ids) - len(window_ids)) * block
+    return build_cache(layout, use, k, v, window_k, window_v, window_first, device)
+
+
+def write_blocks(layout: KVLayout, pool: WindowPool, block_ids: Sequence[int],
+                 window_ids: Sequence[int], blocks: BlockKV) -> None:
+    """Write `blocks` (from `extract`) into a sliding-window pool: full parts into `block_ids`,
+    window parts into `window_ids` (on cuda queued: synchronize before Insert)."""
+    if len(block_ids) != blocks.end_block - blocks.first_block or \
+            len(window_ids) != blocks.end_block - blocks.window_first_block:
+        raise ValueError(f"{len(block_ids)} full and {len(window_ids)} window parts for blocks "
+                         f"{blocks.first_block}-{blocks.end_block - 1} (window parts from "
+                         f"{blocks.window_first_block})")
+    if layout.full_layers:
+        pool.write(block_ids, blocks.full_k, blocks.full_v)
+    pool.write_window(window_ids, blocks.window_k, blocks.window_v)
