@@ -140,17 +140,17 @@ def no_cache(model: Any, tokens: list[int]) -> tuple[torch.Tensor, Any]:
     return logits_from(model, tokens, 0, cache), cache
 
 
-def resume(model: Any, tokens: list[int], matched_blocks: int,
-           garbage: int | None = None) -> tuple[int, torch.Tensor]:
+def resume(model: Any, tokens: list[int], matched_blocks: int, garbage: int | None = None,
+           block_size: int = BLOCK_SIZE) -> tuple[int, torch.Tensor]:
     """Resume `tokens` from what a windowed pool hands out for `matched_blocks` blocks: full
     parts of them all, window parts of the last `window_blocks` (both from the no-cache run).
     `garbage`: the windowed layers' positions before window_start + garbage filled with 1e4."""
-    layout = layout_of(model)
+    layout = layout_of(model, block_size)
     _, full_run = no_cache(model, tokens)
     pool = extract(layout, full_run, 0, matched_blocks)
-    p = resume_point(matched_blocks * BLOCK_SIZE, len(tokens))
+    p = resume_point(matched_blocks * block_size, len(tokens))
     cache = build_cache(layout, p, pool.full_k, pool.full_v, pool.window_k, pool.window_v,
-                        pool.window_first_block * BLOCK_SIZE)
+                        pool.window_first_block * block_size)
     if garbage is not None and p:
         for i in layout.window_layers:
             for x in cache_layers(cache)[i]:
@@ -460,3 +460,39 @@ def test_a_client_without_window_parts_is_refused(tiny_models: dict[str, Any],
     with pytest.raises(FailedPrecondition, match="sliding-window pool but this client reads no "
                                                  "window parts"):
         engine.prefill(prompt)
+
+
+# ---- the real model with a window imposed ----------------------------------------------------
+
+SYSTEM = ("You are a helpful assistant for a team that builds a prefix cache for language "
+          "model inference. The cache keeps the keys and values of prompts that engines have "
+          "already computed, so that a later prompt sharing a prefix skips that work. Answer "
+          "briefly and precisely.")
+QUESTIONS = ["What does a radix tree index?", "Why keep only the last window of keys?"]
+
+
+@pytest.mark.parametrize("pattern", ["all", "alternate"])
+def test_smollm2_with_a_window_reuses_kv_as_it_recomputes(smollm2: Any, pattern: str) -> None:
+    """SmolLM2-135M's weights as a Ministral with W 20 on `pattern` (block 8: 3 window blocks):
+    the same model as the Llama while a prompt fits the window; then the engine's reused KV
+    gives its no-cache logits and greedy tokens, and out-of-window KV is never read."""
+    block = 8
+    model = with_window(smollm2.model, 20, pattern)
+    tokenize = smollm2.tokenizer
+    system = tokenize(SYSTEM)["input_ids"]
+    assert len(system) // block * block > 2 * 20  # resumed well past the window
+    short = system[:20]  # fits the window: windowed or not, the same logits
+    torch.testing.assert_close(no_cache(model, short)[0], no_cache(smollm2.model, short)[0],
+                               atol=ATOL, rtol=0)
+    engine = Engine(model, FakeWindowService(layout_of(model, block)), "smollm2")
+    engine.prefill(system)
+    for question in QUESTIONS:
+        prompt = system + tokenize(question)["input_ids"]
+        got = engine.prefill(prompt)
+        assert got.cached_tokens == len(system) // block * block
+        assert_same_as_recompute(engine, prompt, got)
+    assert engine.generate(prompt, 5) == engine.generate(prompt, 5, use_radixkv=False)
+    matched = len(system) // block
+    p, got_logits = resume(model, prompt, matched, block_size=block)
+    _, with_garbage = resume(model, prompt, matched, garbage=0, block_size=block)
+    assert p == matched * block and torch.equal(with_garbage, got_logits)
