@@ -45,13 +45,6 @@ from radixkv.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVEr
 
 log = logging.getLogger("radixkv.engines.hf")
 
-
-def _attention_text(layout: KVLayout) -> str:
-    if layout.sliding_window is None:
-        return "full attention on every layer"
-    return (f"a sliding window of {layout.sliding_window} tokens on layers "
-            f"{layout.window_pattern!r} ({len(layout.window_layers)} of {layout.num_layers})")
-
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -60,6 +53,13 @@ def pool_layout_for(model_config: Any, block_size: int, dtype: str | None = None
     dict); `dtype` defaults to the config's torch_dtype."""
     cfg = model_config if isinstance(model_config, dict) else model_config.to_dict()
     return KVLayout.from_hf_config(cfg, dtype=dtype, block_size=block_size)
+
+
+def _attention_text(layout: KVLayout) -> str:
+    if layout.sliding_window is None:
+        return "full attention on every layer"
+    return (f"a sliding window of {layout.sliding_window} tokens on layers "
+            f"{layout.window_pattern!r} ({len(layout.window_layers)} of {layout.num_layers})")
 
 
 @dataclass(frozen=True, slots=True)
