@@ -16,9 +16,12 @@ import torch.nn.functional as F  # noqa: E402
 from radixkv.engines.attention import attention_forward, prefix_attention  # noqa: E402
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              window: int | None = None) -> torch.Tensor:
     q_len, k_len = q.shape[2], k.shape[2]
     mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)  # query i: keys ..p+i
+    if window is not None:  # and not before p + i - window + 1, by position
+        mask &= torch.arange(k_len) > torch.arange(q_len)[:, None] + k_len - q_len - window
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
@@ -34,6 +37,20 @@ def test_matches_sdpa_with_the_bottom_right_mask(heads: int, kv_heads: int, q_le
     got = prefix_attention(q, k, v)
     assert got.shape == (2, heads, q_len, 32)
     torch.testing.assert_close(got, reference(q, k, v), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40, 41])
+@pytest.mark.parametrize("q_len, k_len", [(1, 1), (1, 37), (5, 5), (3, 40), (40, 40), (20, 64)])
+def test_a_sliding_window_hides_the_keys_before_it(window: int, q_len: int, k_len: int) -> None:
+    gen = torch.Generator().manual_seed(q_len * 1000 + k_len + window)
+    q = torch.randn(1, 4, q_len, 16, generator=gen)
+    k, v = (torch.randn(1, 2, k_len, 16, generator=gen) for _ in range(2))
+    got = prefix_attention(q, k, v, window=window)
+    torch.testing.assert_close(got, reference(q, k, v, window), atol=1e-5, rtol=0)
+    unseen = k_len - q_len - window + 1  # keys before the first query's window
+    if unseen > 0:  # garbage there is never read (finite: a masked weight is 0, 0 * NaN is not)
+        k[:, :, :unseen], v[:, :, :unseen] = 1e4, -1e4
+        assert torch.equal(prefix_attention(q, k, v, window=window), got)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
@@ -63,6 +80,8 @@ def test_refuses_what_it_cannot_compute() -> None:
         attention_forward(module, q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="dropout"):
         attention_forward(module, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="soft-capping"):
+        attention_forward(module, q, q, q, None, softcap=50.0)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])

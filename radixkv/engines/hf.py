@@ -1,5 +1,6 @@
-"""A Hugging Face causal LM (Llama-architecture: LlamaForCausalLM, Qwen2, Mistral without sliding
-window) that reuses prompt KV through radixkv. One prompt at a time, batch 1, on the pool's device.
+"""A Hugging Face causal LM (Llama-architecture: LlamaForCausalLM, Qwen2, Mistral; sliding-window
+layers as in Mistral-7B-v0.1, Gemma-2 and layer_types configs) that reuses prompt KV through
+radixkv. One prompt at a time, batch 1, on the pool's device.
 
     prompt     |<------------- tokens ------------->|
     blocks     [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ][ b5 ][ par|       block_size tokens each
@@ -12,6 +13,11 @@ At least one token is always computed (there must be logits): a fully cached pro
 but its last token. The KV is exactly what the model computed (copies are bit-exact), so reused
 logits equal a full recompute up to float rounding (the suffix attention merges two partial
 softmaxes, radixkv.engines.attention: within 2e-7 in fp32 on CPU).
+
+A sliding-window pool (`KVLayout.is_windowed`) holds a block's full-attention layers and its
+windowed layers as two parts: the engine reads the full parts of the matched blocks and the
+window parts of the last `window_blocks` of them, and stores window parts for a sequence's last
+blocks only (radixkv.engines.window_cache: which blocks, and the cache it builds and reads).
 
 The lease pins the matched blocks from Match to Insert. A forward that outlives the service's
 lease TTL (a long prompt on CPU) loses it: the engine then matches again and stores under the
@@ -33,6 +39,8 @@ import torch
 
 from gpu_pool.layout import KVLayout
 from radixkv.client import STORE_ALL, Client, Lease
+from radixkv.engines import window_cache
+from radixkv.engines.window_cache import cache_layers as cache_layers  # re-exported
 from radixkv.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVError
 
 log = logging.getLogger("radixkv.engines.hf")
@@ -47,12 +55,11 @@ def pool_layout_for(model_config: Any, block_size: int, dtype: str | None = None
     return KVLayout.from_hf_config(cfg, dtype=dtype, block_size=block_size)
 
 
-def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer of a transformers DynamicCache, each [batch, kv_heads, seq,
-    head_dim]; no copy."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
+def _attention_text(layout: KVLayout) -> str:
+    if layout.sliding_window is None:
+        return "full attention on every layer"
+    return (f"a sliding window of {layout.sliding_window} tokens on layers "
+            f"{layout.window_pattern!r} ({len(layout.window_layers)} of {layout.num_layers})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +118,11 @@ class Engine:
         if have.is_quantized and have.model_dtype == want.dtype:  # stored quantized: its
             want = replace(want.with_dtype(have.dtype, have.sink_tokens),  # own knobs
                            group_size=have.group_size, key_scales=have.key_scales)
+        if (have.sliding_window, have.window_layers) != (want.sliding_window, want.window_layers):
+            raise InvalidArgument(
+                f"radixkv service at {self.kv.target} holds KV for {_attention_text(have)} but "
+                f"this model has {_attention_text(want)}: serve it with --model-config <this "
+                f"model's config.json>")
         if have != want:
             raise InvalidArgument(
                 f"radixkv service at {self.kv.target} holds KV layout {have} but this model "
@@ -161,9 +173,12 @@ class Engine:
         from transformers import DynamicCache
 
         try:
-            return DynamicCache(config=self.model.config)
+            cache = DynamicCache(config=self.model.config)
         except TypeError:  # transformers < 4.56
             return DynamicCache()
+        if any(getattr(cache, "is_sliding", ())):  # sliding layers would drop what a store
+            return window_cache.new_cache()  # needs: keep every position (window_cache)
+        return cache
 
     def _forward_hidden(self, tokens: Sequence[int], start: int, cache: Any
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,20 +220,29 @@ class Engine:
         self.wait_stored()  # this engine sees its own blocks
         t0 = time.perf_counter()
         tokens = list(tokens)
-        lease = self.kv.lease(self.namespace, tokens, store_tokens=STORE_ALL if store else 0)
+        layout = self.layout
+        assert layout is not None
+        if layout.is_windowed:  # the last token may need window KV before the last parts
+            tokens_to_match = tokens[:window_cache.match_length(layout, len(tokens))]
+        else:
+            tokens_to_match = tokens
+        lease = self.kv.lease(self.namespace, tokens_to_match,
+                              store_tokens=STORE_ALL if store else 0)
         try:
             view = self._pool_view(lease)
             t1 = time.perf_counter()
-            use = min(lease.num_tokens, len(tokens) - 1)
-            cache = self._new_cache()
-            if use:
-                assert self.layout is not None
-                num_blocks = -(-use // self.layout.block_size)
-                k, v = lease.pool().read(lease.block_ids[:num_blocks])  # [layers, tokens, ...]
-                k, v = k.to(self.model.device), v.to(self.model.device)  # host pool, GPU model
-                for layer in range(k.shape[0]):
-                    cache.update(k[layer, :use].transpose(0, 1).unsqueeze(0),
-                                 v[layer, :use].transpose(0, 1).unsqueeze(0), layer)
+            use = window_cache.resume_point(lease.num_tokens, len(tokens))
+            if layout.is_windowed:
+                cache = window_cache.read_cache(layout, lease, use, self.model.device)
+            else:
+                cache = self._new_cache()
+                if use:
+                    num_blocks = -(-use // layout.block_size)
+                    k, v = lease.pool().read(lease.block_ids[:num_blocks])  # [layers, tokens..]
+                    k, v = k.to(self.model.device), v.to(self.model.device)  # host pool, GPU
+                    for layer in range(k.shape[0]):
+                        cache.update(k[layer, :use].transpose(0, 1).unsqueeze(0),
+                                     v[layer, :use].transpose(0, 1).unsqueeze(0), layer)
             if not store:
                 self._sync(view)  # the gather may still be queued: finish it before Release
                 lease.release()  # the KV is copied: no pins held across the forward
@@ -285,6 +309,8 @@ class Engine:
         lease in the same call. Returns the number of blocks written (0: the lease is still
         open)."""
         assert self.layout is not None
+        if self.layout.is_windowed:
+            return self._store_windowed(lease, tokens, cache, view)
         block_size = self.layout.block_size
         have = len(lease.block_ids)
         num_full = min(len(tokens) // block_size,  # longer than the pool: a prefix
@@ -305,6 +331,30 @@ class Engine:
         lease.pool().write(new, k, v)
         self._sync(view)  # the copy may be queued: complete it before Insert publishes blocks
         lease.insert(tokens[:end], lease.block_ids + new, release=True)
+        return len(new)
+
+    def _store_windowed(self, lease: Lease, tokens: list[int], cache: Any,
+                        view: torch.Tensor) -> int:
+        """`_store` on a sliding-window pool: full parts of every new block, window parts of
+        the last `window_cache.stored_window_blocks` only (no resume at the end reads more)."""
+        assert self.layout is not None
+        layout = self.layout
+        have = len(lease.block_ids)
+        num_full = len(tokens) // layout.block_size
+        if num_full <= have:
+            return 0
+        blocks = window_cache.extract(layout, cache, have, num_full)
+        wlease: window_cache.WindowLease = lease  # type: ignore[assignment]
+        try:
+            new = wlease.allocate(num_full - have)
+            new_window = wlease.allocate_window(num_full - blocks.window_first_block)
+        except OutOfBlocks as e:  # every block pinned by other requests: serve uncached
+            log.warning("not caching %d blocks: %s", num_full - have, e)
+            return 0
+        window_cache.write_blocks(layout, wlease.pool(), new, new_window, blocks)
+        self._sync(view)  # the copies may be queued: complete them before Insert publishes
+        wlease.insert(tokens[:num_full * layout.block_size], lease.block_ids + new,
+                      release=True, window_ids=new_window)
         return len(new)
 
     @torch.inference_mode()
