@@ -472,7 +472,7 @@ class Lease:
         self._allocated = True
         return ids
 
-    def allocate_windows(self, num_windows: int) -> tuple[int, ...]:
+    def allocate_window(self, num_windows: int) -> tuple[int, ...]:
         """`num_windows` window parts of this lease (sliding-window pools): first the ones
         the Match allocated (no call), then from an Allocate call for the rest."""
         ids, self.new_window_ids = (self.new_window_ids[:num_windows],

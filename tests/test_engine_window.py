@@ -11,18 +11,19 @@ Tolerance as tests/test_engine_hf.py: logits within atol 1e-4 (rtol 0) of the no
 (measured: identical or within 3e-7). KV outside a windowed layer's window is proved unused:
 garbage there changes no bit (and garbage one position later does).
 
-The engine's windowed path runs against `FakeWindowService`, an in-process stand-in for a service
-with a sliding-window pool until the real one speaks window parts: full and window parts by id,
-Match as the issue defines it (the longest run of full parts from block 0 whose last
-min(d, window_blocks) blocks have window parts), Insert taking window parts for the last blocks.
+The engine's windowed path runs against a real `radixkv serve` of each model's config (its
+window read from it): full and window parts allocated, written and read through the shared pool.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
 import re
-from collections.abc import Sequence
-from types import SimpleNamespace
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 import torch  # noqa: E402
 
 from gpu_pool.layout import KVLayout  # noqa: E402
+from radixkv.client import Client  # noqa: E402
 from radixkv.engines import attention, tiny_llama  # noqa: E402
 from radixkv.engines.hf import Engine, PrefillResult, pool_layout_for  # noqa: E402
 from radixkv.engines.window_cache import (  # noqa: E402
@@ -44,6 +46,8 @@ from radixkv.engines.window_cache import (  # noqa: E402
     window_start,
 )
 from radixkv.errors import FailedPrecondition, InvalidArgument  # noqa: E402
+from radixkv.index.window_tree import HOLE  # noqa: E402
+from radixkv.server.launch import start_server  # noqa: E402
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -158,117 +162,36 @@ def resume(model: Any, tokens: list[int], matched_blocks: int, garbage: int | No
     return p, logits_from(model, tokens, p, cache)
 
 
-class FakeWindowPool:
-    """Parts by id, each [layers, block_size, kv_heads, head_dim] (k, v)."""
-
-    def __init__(self) -> None:
-        self.full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @staticmethod
-    def _read(parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
-              ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.cat([parts[i][0] for i in ids], dim=1),
-                torch.cat([parts[i][1] for i in ids], dim=1))
-
-    @staticmethod
-    def _write(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], ids: Sequence[int],
-               k: torch.Tensor, v: torch.Tensor) -> None:
-        assert k.shape[1] == v.shape[1] == len(ids) * (k.shape[1] // max(len(ids), 1))
-        for i, bk, bv in zip(ids, k.chunk(len(ids), dim=1), v.chunk(len(ids), dim=1),
-                             strict=True):
-            parts[i] = bk.clone(), bv.clone()
-
-    def read(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._read(self.full, ids)
-
-    def read_window(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._read(self.window, ids)
-
-    def write(self, ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        self._write(self.full, ids, k, v)
-
-    def write_window(self, ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        self._write(self.window, ids, k, v)
+@contextlib.contextmanager
+def served(model: Any, block_size: int = BLOCK_SIZE, *flags: str) -> Iterator[Client]:
+    """A real `radixkv serve` of `model`'s config (its window included; or a config dict) on a
+    temp socket, fp32, 256 full parts and 64 window parts (or `flags`), and a client of it."""
+    with tempfile.TemporaryDirectory(prefix="rkv-win-") as directory:
+        path = os.path.join(directory, "config.json")
+        if isinstance(model, dict):
+            with open(path, "w") as f:
+                json.dump(model, f)
+        else:
+            model.config.to_json_file(path)
+        sock = os.path.join(directory, "s.sock")
+        server = start_server(sock, "--model-config", directory, "--dtype", "fp32",
+                              "--block-size", str(block_size), "--num-blocks", "256",
+                              *(flags or ("--num-window-blocks", "64")))
+        try:
+            with Client(sock) as client:
+                yield client
+        finally:
+            assert server.stop() == 0, server.output()
 
 
-class FakeLease:
-    def __init__(self, service: FakeWindowService, tokens: list[int]) -> None:
-        self.service = service
-        block, wb = service.layout.block_size, service.layout.window_blocks
-        full, window = service.full_ids, service.window_ids
-        d = 0
-        while (d + 1) * block <= len(tokens) and tuple(tokens[:(d + 1) * block]) in full:
-            d += 1
-        while d and not all(tuple(tokens[:(i + 1) * block]) in window
-                            for i in range(d - min(d, wb), d)):
-            d -= 1
-        self.num_tokens = d * block
-        self.block_ids = tuple(full[tuple(tokens[:(i + 1) * block])] for i in range(d))
-        self.window_ids = tuple(window[tuple(tokens[:(i + 1) * block])]
-                                for i in range(d - min(d, wb), d))
-        self.released = False
-
-    def __enter__(self) -> FakeLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def view(self) -> torch.Tensor:
-        return torch.empty(0)
-
-    def pool(self) -> FakeWindowPool:
-        return self.service.mapping
-
-    def allocate(self, num_blocks: int) -> tuple[int, ...]:
-        return self.service.new_ids(num_blocks)
-
-    def allocate_window(self, num_blocks: int) -> tuple[int, ...]:
-        return self.service.new_ids(num_blocks)
-
-    def insert(self, tokens: list[int], block_ids: Sequence[int], release: bool = False,
-               hint: str | None = None, *, window_ids: Sequence[int] = ()) -> None:
-        block = self.service.layout.block_size
-        first_window = len(block_ids) - len(window_ids)
-        for i, bid in enumerate(block_ids):
-            self.service.full_ids.setdefault(tuple(tokens[:(i + 1) * block]), bid)
-        for i, wid in enumerate(window_ids, start=first_window):
-            self.service.window_ids.setdefault(tuple(tokens[:(i + 1) * block]), wid)
-        self.service.inserted.append((len(block_ids), first_window))
-        self.released = self.released or release
-
-    def release(self) -> None:
-        self.released = True
-
-
-class FakeWindowService:
-    """What Engine uses of a Client, on a sliding-window pool of `layout` (one namespace)."""
-
-    def __init__(self, layout: KVLayout) -> None:
-        self.layout = layout
-        self.mapping = FakeWindowPool()
-        self.full_ids: dict[tuple[int, ...], int] = {}  # prefix through the block -> id
-        self.window_ids: dict[tuple[int, ...], int] = {}
-        self.inserted: list[tuple[int, int]] = []  # (blocks, first block with a window part)
-        self.target, self.restarts, self._next = "fake", 0, 0
-
-    def new_ids(self, n: int) -> tuple[int, ...]:
-        self._next += n
-        return tuple(range(self._next - n, self._next))
-
-    def wait_ready(self) -> None:
-        pass
-
-    def pool_info(self) -> Any:
-        return SimpleNamespace(layout=self.layout)
-
-    def pool(self, refresh: bool = False) -> FakeWindowPool:
-        return self.mapping
-
-    def lease(self, namespace: str, tokens: Any, ttl: float = 0.0,
-              store_tokens: int = 0) -> FakeLease:
-        return FakeLease(self, list(tokens))
+def window_positions(client: Client, namespace: str = "ns") -> list[int]:
+    """The cached blocks (by index from the root) that hold a window part."""
+    nodes, _ = client.dump_tree(namespace)
+    out = []
+    for n in nodes:
+        first = n.depth_tokens // BLOCK_SIZE - len(n.block_ids)
+        out += [first + j for j, w in enumerate(n.window_ids) if w != HOLE]
+    return sorted(out)
 
 
 def assert_same_as_recompute(engine: Engine, tokens: list[int], got: PrefillResult) -> None:
@@ -381,8 +304,11 @@ def test_the_engine_reuses_window_parts_and_matches_a_recompute(tiny_models: dic
                                                                 shape: str) -> None:
     model = tiny_models[shape]
     layout = layout_of(model)
-    svc = FakeWindowService(layout)
-    engine = Engine(model, svc, "ns")
+    with served(model) as svc:
+        reuses_window_parts(Engine(model, svc, "ns"), svc, layout, shape)
+
+
+def reuses_window_parts(engine: Engine, svc: Client, layout: KVLayout, shape: str) -> None:
     tail = stored_window_blocks(layout)  # mistral 3 (W 9: one more than window_blocks), gemma2 3
 
     def check(tokens: list[int], cached: int) -> None:
@@ -392,12 +318,12 @@ def test_the_engine_reuses_window_parts_and_matches_a_recompute(tiny_models: dic
 
     system = make_tokens(40, seed=11)  # 10 blocks
     check(system, 0)  # p = 0
-    assert svc.inserted[-1] == (10, 10 - tail)  # window parts of the last blocks only
+    assert window_positions(svc) == list(range(10 - tail, 10))  # the last blocks' only
     # fully cached, block-aligned: W 10 resumes at 39; W 9 (window parts of 8 positions) is
     # matched without its last token and resumes a block back from the extra window part
     check(system, 36 if shape == "mistral" else 39)
     check(system + make_tokens(9, seed=12), 40)  # branches at the window's end: p > W
-    assert svc.inserted[-1] == (12, 10)  # only new blocks get parts: 10-11
+    assert window_positions(svc)[-2:] == [10, 11]  # only new blocks get parts: 10-11
     # branches 10 tokens before the system prompt's end, outside its stored window: the full
     # parts of blocks 0-6 match but no window parts: nothing reused, nothing wrong
     check(system[:30] + make_tokens(11, seed=13), 0)
@@ -413,53 +339,61 @@ def test_the_engine_reuses_window_parts_and_matches_a_recompute(tiny_models: dic
 def test_greedy_turns_on_a_windowed_pool_are_token_for_token_identical(
         tiny_models: dict[str, Any], shape: str) -> None:
     model = tiny_models[shape]
-    engine = Engine(model, FakeWindowService(layout_of(model)), "ns")
-    prompt = make_tokens(33, seed=21)
-    want = engine.generate(prompt, 8, use_radixkv=False)  # decoding crosses the window
-    assert engine.generate(prompt, 8) == want  # stores prompt + answer
-    turn2 = prompt + want + make_tokens(7, seed=22)
-    result = engine.prefill(turn2)
-    assert result.cached_tokens == (len(prompt) + 7) // BLOCK_SIZE * BLOCK_SIZE  # 40
-    assert engine.decode(turn2, result, 6) == engine.generate(turn2, 6, use_radixkv=False)
+    with served(model) as svc:
+        engine = Engine(model, svc, "ns")
+        prompt = make_tokens(33, seed=21)
+        want = engine.generate(prompt, 8, use_radixkv=False)  # decoding crosses the window
+        assert engine.generate(prompt, 8) == want  # stores prompt + answer
+        turn2 = prompt + want + make_tokens(7, seed=22)
+        result = engine.prefill(turn2)
+        assert result.cached_tokens == (len(prompt) + 7) // BLOCK_SIZE * BLOCK_SIZE  # 40
+        assert engine.decode(turn2, result, 6) == engine.generate(turn2, 6, use_radixkv=False)
+        assert svc.stats(check_integrity=True)["integrity"] == "ok"
 
 
-@pytest.mark.parametrize("model_name, window, pattern, message", [
-    ("mistral", 8, "all", "holds KV for a sliding window of 8 tokens on layers 'all' (2 of 2) "
-     "but this model has a sliding window of 9 tokens on layers 'all' (2 of 2)"),
-    ("gemma2", 10, "all", "holds KV for a sliding window of 10 tokens on layers 'all' (4 of 4) "
-     "but this model has a sliding window of 10 tokens on layers 'alternate' (2 of 4)"),
-    ("gemma2", None, "", "holds KV for full attention on every layer but this model has a "
+@pytest.mark.parametrize("model_name, flags, message", [
+    ("mistral", ("--sliding-window", "8"), "holds KV for a sliding window of 8 tokens on layers "
+     "'all' (2 of 2) but this model has a sliding window of 9 tokens on layers 'all' (2 of 2)"),
+    ("gemma2", ("--window-layers", "all"), "holds KV for a sliding window of 10 tokens on "
+     "layers 'all' (4 of 4) but this model has a sliding window of 10 tokens on layers "
+     "'alternate' (2 of 4)"),
+    ("gemma2", (), "holds KV for full attention on every layer but this model has a "
      "sliding window of 10 tokens on layers 'alternate' (2 of 4)"),
-    ("llama", 10, "all", "holds KV for a sliding window of 10 tokens on layers 'all' (2 of 2) "
-     "but this model has full attention on every layer"),
+    ("llama", ("--sliding-window", "10"), "holds KV for a sliding window of 10 tokens on "
+     "layers 'all' (2 of 2) but this model has full attention on every layer"),
 ])
 def test_a_pool_whose_window_is_not_the_models_is_refused(
-        tiny_models: dict[str, Any], model_name: str, window: int | None, pattern: str,
+        tiny_models: dict[str, Any], model_name: str, flags: tuple[str, ...],
         message: str) -> None:
     model = tiny_llama.build_model("test") if model_name == "llama" else tiny_models[model_name]
-    layout = layout_of(model).with_window(window, pattern or "all")
-    with pytest.raises(InvalidArgument, match=re.escape(f"radixkv service at fake {message}: "
-                                                        f"serve it with --model-config")):
-        Engine(model, FakeWindowService(layout), "ns")
+    config: Any = model
+    if not flags:  # the same sizes, full attention
+        config = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    extra = ("--num-window-blocks", "8") if flags else ("--num-blocks", "64")
+    with served(config, BLOCK_SIZE, *flags, *extra) as svc:
+        with pytest.raises(InvalidArgument, match=re.escape(message)):
+            Engine(model, svc, "ns")
 
 
 def test_a_client_without_window_parts_is_refused(tiny_models: dict[str, Any],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_models["gemma2"]
-    svc = FakeWindowService(layout_of(model))
-    engine = Engine(model, svc, "ns")
-    prompt = make_tokens(21, seed=31)
-    engine.prefill(prompt)
-
-    def lease_without_window_ids(*args: Any, **kwargs: Any) -> FakeLease:
-        lease = FakeLease(svc, prompt)  # as a lease of today's client
-        del lease.window_ids
-        return lease
-
-    monkeypatch.setattr(svc, "lease", lease_without_window_ids)
-    with pytest.raises(FailedPrecondition, match="sliding-window pool but this client reads no "
-                                                 "window parts"):
+    with served(model) as svc:
+        engine = Engine(model, svc, "ns")
+        prompt = make_tokens(21, seed=31)
         engine.prefill(prompt)
+        lease_of = svc.lease
+
+        def lease_without_window_ids(*args: Any, **kwargs: Any) -> Any:
+            lease = lease_of(*args, **kwargs)  # as a lease of a client before window parts
+            del lease.window_ids
+            return lease
+
+        monkeypatch.setattr(svc, "lease", lease_without_window_ids)
+        with pytest.raises(FailedPrecondition, match="sliding-window pool but this client "
+                                                     "reads no window parts"):
+            engine.prefill(prompt)
 
 
 # ---- the real model with a window imposed ----------------------------------------------------
@@ -484,14 +418,15 @@ def test_smollm2_with_a_window_reuses_kv_as_it_recomputes(smollm2: Any, pattern:
     short = system[:20]  # fits the window: windowed or not, the same logits
     torch.testing.assert_close(no_cache(model, short)[0], no_cache(smollm2.model, short)[0],
                                atol=ATOL, rtol=0)
-    engine = Engine(model, FakeWindowService(layout_of(model, block)), "smollm2")
-    engine.prefill(system)
-    for question in QUESTIONS:
-        prompt = system + tokenize(question)["input_ids"]
-        got = engine.prefill(prompt)
-        assert got.cached_tokens == len(system) // block * block
-        assert_same_as_recompute(engine, prompt, got)
-    assert engine.generate(prompt, 5) == engine.generate(prompt, 5, use_radixkv=False)
+    with served(model, block) as svc:
+        engine = Engine(model, svc, "smollm2")
+        engine.prefill(system)
+        for question in QUESTIONS:
+            prompt = system + tokenize(question)["input_ids"]
+            got = engine.prefill(prompt)
+            assert got.cached_tokens == len(system) // block * block
+            assert_same_as_recompute(engine, prompt, got)
+        assert engine.generate(prompt, 5) == engine.generate(prompt, 5, use_radixkv=False)
     matched = len(system) // block
     p, got_logits = resume(model, prompt, matched, block_size=block)
     _, with_garbage = resume(model, prompt, matched, garbage=0, block_size=block)

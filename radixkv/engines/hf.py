@@ -344,7 +344,7 @@ class Engine:
         if num_full <= have:
             return 0
         blocks = window_cache.extract(layout, cache, have, num_full)
-        wlease: window_cache.WindowLease = lease  # type: ignore[assignment]
+        wlease: window_cache.WindowLease = lease
         try:
             new = wlease.allocate(num_full - have)
             new_window = wlease.allocate_window(num_full - blocks.window_first_block)
