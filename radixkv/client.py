@@ -426,8 +426,9 @@ class Lease:
 
     Sliding-window pools: `window_ids` are the window parts of the last matched blocks (the
     windowed layers' KV of the last min(blocks, window_blocks) blocks: all a resume needs),
-    `new_window_ids` those the Match allocated for the last new blocks; `insert(...,
-    window_ids=...)` commits them.
+    `new_window_ids` those the Match allocated, aligned to the last blocks of the stored range
+    (ending at block `window_end`) with HOLE where a block needs none; `insert(...,
+    window_ids=...)` commits them the same way.
 
     Its block ids belong to the pool epoch of its Match: `view()` maps that pool (StalePool
     if the service restarted since) and `insert` tells the service the epoch, so KV written
@@ -444,7 +445,8 @@ class Lease:
         self.block_ids = m.block_ids
         self.new_block_ids = m.new_block_ids
         self.window_ids = m.window_ids
-        self.new_window_ids = m.new_window_ids
+        self.new_window_ids = m.new_window_ids  # HOLE where a block needs none
+        self.window_end = len(m.block_ids) + len(m.new_block_ids)  # new_window_ids end here
         self.alloc_error = m.alloc_error
         self.epoch = m.epoch
         self.released = False

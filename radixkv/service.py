@@ -59,7 +59,7 @@ from radixkv.errors import (
 from radixkv.events import EventLog
 from radixkv.index.eviction import DEFAULT_POLICY, NO_HINT, parse_hint, policy_factory
 from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
-from radixkv.index.window_tree import WindowedRadixTree
+from radixkv.index.window_tree import HOLE, WindowedRadixTree
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 MAX_NAMESPACE_LEN = 256
@@ -104,7 +104,9 @@ class LeaseMatch:
     num_evicted: int = 0  # blocks evicted for new_block_ids
     alloc_error: str = ""  # why a match with store_tokens allocated nothing
     # windowed pools: window parts of the last min(blocks, window_blocks) matched blocks, and
-    # (store_tokens) new window parts for the last blocks of the stored range not yet matched
+    # (store_tokens) new window parts for the last blocks of the stored range, HOLE where none
+    # is needed: the new tail's last window_blocks blocks, and the blocks before the end of the
+    # cached full parts whose window parts are missing (a branch point: resumable next time)
     window_ids: tuple[int, ...] = ()
     new_window_ids: tuple[int, ...] = ()
 
@@ -265,10 +267,12 @@ class KVService:
         with self._lock:
             new_names = {name for name, _ in queries if name not in self._namespaces}
             self._check_room_for(owner, len(queries), len(new_names))
+            full_ends = []
             for namespace, tokens in queries:
                 ns = self._namespace(namespace)
                 lease = self._open_lease(owner, ns, ttl)
                 m = ns.tree.match(tokens)
+                full_ends.append(m.full_tokens // self.block_size)
                 if m.num_tokens:
                     ns.tree.lock(m.handle)
                     lease.handles.append(m.handle)
@@ -280,19 +284,25 @@ class KVService:
                 out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids, epoch,
                                       window_ids=m.window_ids))
             if store_tokens is not None:
-                out = [self._allocate_rest(owner, o, queries[i][1], store_tokens[i])
+                out = [self._allocate_rest(owner, o, queries[i][1], store_tokens[i],
+                                           full_ends[i])
                        for i, o in enumerate(out)]
         return out
 
     def _allocate_rest(self, owner: str, m: LeaseMatch, tokens: bytes,
-                       store_tokens: int) -> LeaseMatch:
-        """`m` with blocks allocated for the uncached full blocks of tokens[:store_tokens]."""
+                       store_tokens: int, full_end: int = 0) -> LeaseMatch:
+        """`m` with blocks allocated for the uncached full blocks of tokens[:store_tokens]
+        (windowed pools: and the window parts LeaseMatch.new_window_ids describes; `full_end`:
+        the blocks whose full parts are cached)."""
         end = min(store_tokens, num_tokens(tokens)) // self.block_size
         want = end - len(m.block_ids)
         if want <= 0:
             return m
         sinks = 0 if m.block_ids else 1  # a sequence's first block comes from the sink region
-        windows = min(want, self.window_blocks)  # window parts of the new tail only
+        need: list[int] = []  # blocks that get window parts
+        if self.window_blocks:
+            need = self._window_plan(m, tokens, end, full_end)
+        windows = len(need)
         try:
             num_evicted = self._make_room(want, sinks=sinks, windows=windows)
         except OutOfBlocks as e:
@@ -303,8 +313,28 @@ class KVService:
         for b in ids + wids:
             lease.owned[b] = None
             self._lease_of_block[b] = lease.lease_id
+        if need:  # aligned to the stored range's last blocks, HOLE where none
+            aligned = [HOLE] * (end - need[0])
+            for i, w in zip(need, wids, strict=True):
+                aligned[i - need[0]] = w
+            wids = tuple(aligned)
         return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted,
                                    new_window_ids=wids)
+
+    def _window_plan(self, m: LeaseMatch, tokens: bytes, end: int, full_end: int) -> list[int]:
+        """Which of blocks [d, end) a request resumed at d should store window parts of: its
+        last window_blocks, and, where the cached full parts reach further than the match (up
+        to full_end: a branch point), the window_blocks before full_end that lack theirs."""
+        d, wb = len(m.block_ids), self.window_blocks
+        need = set(range(max(d, end - wb), end))
+        branch = min(full_end, end)
+        if branch > d:
+            need.update(range(max(d, branch - wb), branch))
+            tree = self._namespaces[self._leases[m.lease_id].namespace].tree
+            assert isinstance(tree, WindowedRadixTree)
+            have = tree.window_parts(tokens)
+            need = {i for i in need if i >= full_end or have[i] == HOLE}
+        return sorted(need)
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
@@ -589,9 +619,10 @@ class KVService:
             if len(window_ids) > num_full:
                 raise InvalidArgument(f"{len(window_ids)} window parts for {num_full} full "
                                       "blocks: a window part needs its block's full part")
-            if len(set(window_ids)) != len(window_ids):
+            real = [w for w in window_ids if w != HOLE]
+            if len(set(real)) != len(real):
                 raise InvalidArgument("window part ids repeat within one insert")
-            for w in window_ids:
+            for w in real:
                 if not (0 <= w < self.pool.num_blocks and self.pool.is_window(w)):
                     raise InvalidArgument(f"id {w} is not a window part of this pool")
         if len(set(block_ids)) != len(block_ids):
@@ -643,7 +674,7 @@ class KVService:
         cached = tree.window_parts(tokens)
         first = len(cached) - len(window_ids)
         for i, w in enumerate(window_ids, first):
-            if cached[i] == w:
+            if w == HOLE or cached[i] == w:
                 continue
             if w in claimed:
                 raise InvalidArgument(f"window part {w} is claimed by two items of one insert")

@@ -327,6 +327,10 @@ def reuses_window_parts(engine: Engine, svc: Client, layout: KVLayout, shape: st
     # branches 10 tokens before the system prompt's end, outside its stored window: the full
     # parts of blocks 0-6 match but no window parts: nothing reused, nothing wrong
     check(system[:30] + make_tokens(11, seed=13), 0)
+    # ... but that request stored the window parts before the branch point (block 7): the
+    # next prompt branching there resumes at it
+    assert set(range(7 - layout.window_blocks, 7)) <= set(window_positions(svc))
+    check(system[:30] + make_tokens(11, seed=18), 28)
     short = make_tokens(5, seed=14)
     check(short, 0)  # stores block 0
     check(short[:4] + make_tokens(6, seed=15), 4)  # p < W: the window reaches position 0

@@ -26,20 +26,26 @@ def kv(layers: int, tokens: int, seed: float) -> tuple[torch.Tensor, torch.Tenso
 
 
 def store(kv_client: Client, tokens: list[int], seed: float) -> tuple[int, ...]:
-    """One request on the two-trip path: match, write both parts of the new blocks, insert."""
+    """One request on the two-trip path: match, write both parts of the new blocks (window
+    parts where the Match allocated them: aligned to the end, HOLE where none), insert.
+    Returns the window parts written."""
     with kv_client.lease("ns", tokens) as lease:
         pool = lease.pool()
         n, d = len(tokens) // B, lease.num_tokens // B
-        assert len(lease.new_block_ids) == n - d
-        assert len(lease.new_window_ids) == min(n - d, 2)
+        assert len(lease.new_block_ids) == n - d and lease.window_end == n
+        wins = lease.new_window_ids
+        assert wins[-min(n - d, 2):] == tuple(w for w in wins[-2:] if w != HOLE)  # the tail
         if lease.new_block_ids:
             pool.write(lease.new_block_ids, *kv(1, (n - d) * B, seed))
-        if lease.new_window_ids:
-            pool.write_window(lease.new_window_ids, *kv(1, len(lease.new_window_ids) * B,
-                                                        seed + 0.5))
+        first = n - len(wins)
+        for i, w in enumerate(wins, first):
+            if w != HOLE:
+                k, v = kv(1, (n - first) * B, seed + 0.5)
+                pool.write_window([w], k[:, (i - first) * B:(i - first + 1) * B],
+                                  v[:, (i - first) * B:(i - first + 1) * B])
         lease.insert(tokens, lease.block_ids + lease.new_block_ids, release=True,
-                     window_ids=lease.new_window_ids)
-        return lease.new_window_ids
+                     window_ids=wins)
+        return tuple(w for w in wins if w != HOLE)
 
 
 def hit(c: Client, tokens: list[int]) -> int:
@@ -64,15 +70,19 @@ def test_two_parts_round_trip_and_resume_points() -> None:
             want_k, want_v = kv(1, 2 * B, 1.5)
             assert torch.equal(wk, want_k) and torch.equal(wv, want_v)
         assert hit(c, t[:3 * B] + [7] * B) == 0  # blocks 1, 2: window parts never stored
-        # a request that branches off inside: it stores the missing windows of its new tail
+        # a request that branches off at block 3: it stores its new tail's window parts and
+        # those of blocks 1, 2 (before the branch point, missing), so the point resumes
         branch = t[:3 * B] + prompt(2, 2)
-        store(c, branch, 2.0)
+        branch_wins = store(c, branch, 2.0)
+        assert len(branch_wins) == 4
+        assert hit(c, t[:3 * B] + prompt(3, 1)) == 3 * B
         with c.lease("ns", branch, store_tokens=0) as lease:
-            assert lease.num_tokens == 5 * B and len(lease.window_ids) == 2
-            branch_wins = lease.window_ids
+            assert lease.num_tokens == 5 * B and lease.window_ids == branch_wins[2:]
+            wk, _ = lease.pool().read_window(lease.window_ids)
+            assert torch.equal(wk, kv(1, 4 * B, 2.5)[0][:, 2 * B:])
         st = c.stats(check_integrity=True)
         assert st["integrity"] == "ok"
-        assert st["window_blocks"] == 6 and st["cached_window_blocks"] == 4
+        assert st["window_blocks"] == 6 and st["cached_window_blocks"] == 6
         nodes, _ = c.dump_tree("ns")
         assert sorted(w for n in nodes for w in n.window_ids if w != HOLE) == sorted(
             wins + branch_wins)

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixkv.errors import InvalidArgument
 from radixkv.index.tree import WindowRemoved, WindowStored
-from radixkv.index.window_tree import WindowedRadixTree
+from radixkv.index.window_tree import HOLE, WindowedRadixTree
 
 B = 2
 Path = tuple[tuple[int, ...], ...]
@@ -65,20 +65,21 @@ class WindowTreeMachine(RuleBasedStateMachine):
     def locked_block(self, p: Path) -> bool:
         return any(q[:len(p)] == p for _, q in self.locked)
 
-    @rule(tokens=tokens_st, k=st.integers(0, 8), reuse=st.booleans())
-    def insert(self, tokens: list[int], k: int, reuse: bool) -> None:
+    @rule(tokens=tokens_st, k=st.integers(0, 8), reuse=st.booleans(), hole=st.booleans())
+    def insert(self, tokens: list[int], k: int, reuse: bool, hole: bool) -> None:
         path = blocks(tokens)
         k = min(k, len(path))
         ids = [next(self.ids) for _ in path]
         if reuse:  # pass the cached ids for the cached prefix, as an engine does
             for i in range(self.ref.cached_depth(path)):
                 ids[i] = self.ref.parts[path[:i + 1]][0]  # type: ignore[call-overload]
-        wins = [next(self.wids) for _ in range(k)]
+        wins = [HOLE if hole and i % 2 else next(self.wids) for i in range(k)]
         res = self.tree.insert(tokens, ids, window_ids=wins)
         adopted, dups = set(), set()
         for i in range(len(path)):
             key = path[:i + 1]
             w = wins[i - (len(path) - k)] if i >= len(path) - k else None
+            w = None if w == HOLE else w
             if key not in self.ref.parts:
                 self.ref.parts[key] = [ids[i], w]
                 adopted.add(ids[i])
@@ -106,6 +107,7 @@ class WindowTreeMachine(RuleBasedStateMachine):
         m = self.tree.match(tokens)
         d = self.ref.resumable(path)
         assert m.num_tokens == d * B
+        assert m.full_tokens == self.ref.cached_depth(path) * B
         assert list(m.block_ids) == [self.ref.parts[path[:i + 1]][0] for i in range(d)]
         w = min(d, self.ref.wb)
         assert list(m.window_ids) == [self.ref.parts[path[:i + 1]][1] for i in range(d - w, d)]

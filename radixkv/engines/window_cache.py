@@ -40,6 +40,7 @@ import torch
 
 from gpu_pool.layout import KVLayout
 from radixkv.errors import FailedPrecondition
+from radixkv.index.window_tree import HOLE
 
 
 def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -159,12 +160,14 @@ class BlockKV:
     end_block: int
 
 
-def extract(layout: KVLayout, cache: Any, first_block: int, end_block: int) -> BlockKV:
+def extract(layout: KVLayout, cache: Any, first_block: int, end_block: int,
+            window_first: int | None = None) -> BlockKV:
     """The KV a windowed pool takes for new blocks [first_block, end_block) from `cache` (one
     built by `build_cache` or `new_cache` and run forward past end_block * block_size): full
     parts of all of them, window parts of the last `stored_window_blocks` of them. The
     windowed layers' positions read are all past the resume point, so none is a zero of
-    `build_cache`. Copies."""
+    `build_cache`. `window_first` (>= first_block): window parts from that block on instead.
+    Copies."""
     block = layout.block_size
     layers = cache_layers(cache)
     if len(layers) != layout.num_layers:
@@ -173,7 +176,11 @@ def extract(layout: KVLayout, cache: Any, first_block: int, end_block: int) -> B
     if not 0 <= first_block <= end_block or end_block * block > length:
         raise ValueError(f"blocks {first_block}-{end_block - 1} of block size {block} from a "
                          f"cache of {length} positions")
-    window_first = max(first_block, end_block - stored_window_blocks(layout))
+    if window_first is None:
+        window_first = max(first_block, end_block - stored_window_blocks(layout))
+    elif not first_block <= window_first <= end_block:
+        raise ValueError(f"window parts from block {window_first}, outside the new blocks "
+                         f"{first_block}-{end_block - 1}")
 
     def stack(which: tuple[int, ...], first: int) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = first * block, end_block * block
@@ -247,7 +254,8 @@ def read_cache(layout: KVLayout, lease: Any, use: int,
 def write_blocks(layout: KVLayout, pool: WindowPool, block_ids: Sequence[int],
                  window_ids: Sequence[int], blocks: BlockKV) -> None:
     """Write `blocks` (from `extract`) into a sliding-window pool: full parts into `block_ids`,
-    window parts into `window_ids` (on cuda queued: synchronize before Insert)."""
+    window parts into `window_ids` (HOLE: that block's is not stored; on cuda queued:
+    synchronize before Insert)."""
     if len(block_ids) != blocks.end_block - blocks.first_block or \
             len(window_ids) != blocks.end_block - blocks.window_first_block:
         raise ValueError(f"{len(block_ids)} full and {len(window_ids)} window parts for blocks "
@@ -255,4 +263,12 @@ def write_blocks(layout: KVLayout, pool: WindowPool, block_ids: Sequence[int],
                          f"{blocks.window_first_block})")
     if layout.full_layers:
         pool.write(block_ids, blocks.full_k, blocks.full_v)
-    pool.write_window(window_ids, blocks.window_k, blocks.window_v)
+    at = [i for i, w in enumerate(window_ids) if w != HOLE]
+    if len(at) < len(window_ids):  # only the blocks that get a part: their token rows
+        block = layout.block_size
+        rows = torch.tensor([i * block + t for i in at for t in range(block)],
+                            device=blocks.window_k.device)
+        pool.write_window([window_ids[i] for i in at], blocks.window_k.index_select(1, rows),
+                          blocks.window_v.index_select(1, rows))
+    elif at:
+        pool.write_window(window_ids, blocks.window_k, blocks.window_v)

@@ -104,7 +104,7 @@ class WindowedRadixTree(RadixTree):
         handle = _Handle(self, node, k if node is not self._root else 0, self._version)
         w = min(d, self.window_blocks)
         return MatchResult(d * self._block_size, tuple(ids[:d]), handle,
-                           tuple(windows[d - w:d]))
+                           tuple(windows[d - w:d]), len(ids) * self._block_size)
 
     def _resumable(self, windows: array[int]) -> int:
         """The deepest d <= len(windows) whose last min(d, window_blocks) parts are present."""
@@ -121,22 +121,26 @@ class WindowedRadixTree(RadixTree):
                hint: str | int | None = None,
                window_ids: Sequence[int] = ()) -> InsertResult:
         """RadixTree.insert, plus `window_ids`: the window parts of the last len(window_ids)
-        blocks of `tokens`. Adopted and duplicate ids of both parts are in the result."""
+        blocks of `tokens` (HOLE: none for that block). Adopted and duplicate ids of both parts
+        are in the result."""
         key = to_token_bytes(tokens)
         nb = len(key) // self._block_bytes
         given, wins = list(block_ids), list(window_ids)
         if len(wins) > nb:
             raise InvalidArgument(f"got {len(wins)} window parts for {nb} full blocks")
-        if wins:
-            if len(set(wins)) != len(wins):
+        real = [w for w in wins if w != HOLE]
+        if real:
+            if len(set(real)) != len(real):
                 raise InvalidArgument("a window part id is repeated")
-            if min(wins) < 0 or max(wins) >= HOLE:
+            if min(real) < 0 or max(real) > HOLE:
                 raise InvalidArgument(f"window part ids must be in 0..{HOLE - 1}")
-            if set(wins) & set(given):
+            if set(real) & set(given):
                 raise InvalidArgument("an id is given as both a full part and a window part")
             present = self._windows_along(key, nb)
             held, full = self._wheld, self._cached
             for i, w in enumerate(wins, nb - len(wins)):
+                if w == HOLE:
+                    continue
                 if w < len(held) and held[w] and present[i] != w:
                     raise InvalidArgument(f"window part {w} (block {i}) is already cached "
                                           "elsewhere")
@@ -150,17 +154,17 @@ class WindowedRadixTree(RadixTree):
         if result.adopted:  # a new leaf: its ancestors' shallowest leaf may change
             leaf: Any = self._walk(key)[0]
             self._refresh(leaf.parent)
-        if not wins:
+        if not real:
             return result
         adopted, duplicates = list(result.adopted), list(result.duplicates)
         stored_full, stored_win = [], []
-        if len(held) <= max(wins):
-            held.extend(bytes(max(max(wins) + 1 - len(held), len(held))))
+        if len(held) <= max(real):
+            held.extend(bytes(max(max(real) + 1 - len(held), len(held))))
         first = nb - len(wins)
         for n, j, i in self._positions(key, first, nb):
             w = wins[i - first]
             have = n.window_ids[j]
-            if have == w:
+            if w == HOLE or have == w:
                 continue
             if have != HOLE:
                 duplicates.append(w)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.errors import InvalidArgument, OutOfBlocks
+from radixkv.index.window_tree import HOLE
 from radixkv.tokens import block_bytes, num_tokens
 
 _PERSON = b"radixkv-replay"
@@ -279,8 +280,10 @@ def _request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verif
             end = matched + len(new)
             if pool.bytes is not None:
                 pool.write(new, keys[matched:end])
-            if pool.windows is not None and windows:
-                pool.windows.write(windows, keys[end - len(windows):end])
+            if pool.windows is not None and windows:  # aligned to the end; HOLE: none
+                at = [i for i, w in enumerate(windows) if w != HOLE]
+                pool.windows.write(tuple(windows[i] for i in at),
+                                   keys[end - len(windows):end][at])
         inserted = bool(new or matched)
         if inserted:
             t = clock()
