@@ -87,3 +87,23 @@ def test_policy_gap_rows():
                                 "gap_closed"}
     assert rows["lru"]["gap_closed"] == 0 and rows["belady"]["gap_closed"] == 1
     assert all(r["token_hit_rate"] <= rows["belady"]["token_hit_rate"] for r in out["rows"])
+
+
+def test_swa_capacity_rows(tmp_path):
+    """A tiny Mooncake-shaped trace (six conversations of four turns on one shared first
+    block): both runs verified, the rows the issue's check reads."""
+    lines = []
+    for turn in range(4):
+        for conv in range(6):
+            ids = [0] + [1000 * conv + i for i in range(1, 3 * turn + 4)]
+            lines.append(json.dumps({"timestamp": 10 * (4 * turn + conv), "output_length": 8,
+                                     "input_length": 512 * len(ids) - 100, "hash_ids": ids}))
+    trace = tmp_path / "conv.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    out = json.loads(run(str(BENCH / "swa_capacity.py"), "--trace", str(trace), "--memory",
+                         "1GiB", "--layouts", "gpt-oss-like", "--json"))
+    (row,) = out["rows"]
+    assert row["layout"] == "gpt-oss-like" and row["mismatches"] == 0
+    assert row["verified_blocks"] > 0 and row["integrity"] == "ok/ok"
+    assert row["conversations"] == 6 and row["conversations_ratio"] > 1
+    assert row["hit_rate_windowed"] > row["hit_rate_all_full"]
