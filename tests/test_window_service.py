@@ -3,6 +3,10 @@ inserted, matched and evicted apart; real bytes compared from a second process."
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -137,3 +141,27 @@ def test_window_bad_input() -> None:
         with c.lease("ns", prompt(1, 2)) as lease:
             with pytest.raises(InvalidArgument, match="without a sliding window"):
                 lease.insert(prompt(1, 2), lease.new_block_ids, window_ids=(3,))
+
+
+def test_inspector_shows_both_parts() -> None:
+    """`radixkv inspect`, `inspect tree` and `events` on a windowed pool: window parts beside
+    the blocks (the CLI in a subprocess, as an operator runs it)."""
+    def cli(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "radixkv", *args, "--socket", server.socket],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    with running_server(*WINDOW, "--num-window-blocks", "6", num_blocks=12) as server, \
+            Client(server.socket) as c:
+        wins = store(c, prompt(1, 5), 1.0)
+        summary = json.loads(cli("inspect", "--json"))
+        assert summary["window_parts"] == {"total": 6, "free": 4, "cached": 2}
+        (node,) = json.loads(cli("inspect", "tree", "ns", "--json"))["children"]
+        assert node["window_ids"] == [None, None, None, *wins]
+        assert "window parts [...ww]" in cli("inspect", "tree", "ns")
+        lines = [json.loads(x) for x in cli("events", "--from", "1", "--count", "2",
+                                            "--json").splitlines()]
+        assert [e["type"] for e in lines] == ["BlockStored", "WindowStored"]
+        assert lines[1]["window_ids"] == list(wins)
+        assert lines[1]["block_hashes"] == lines[0]["block_hashes"][3:]
