@@ -177,3 +177,24 @@ def test_windowed_replay_holds_more_conversations_in_the_same_memory() -> None:
     render_report(aware)
     with pytest.raises(InvalidArgument, match="two round trips"):
         run_replay(requests, block_size=16, window=w, round_trips=4)
+
+
+def test_cli_windowed_preset_and_its_all_full_baseline() -> None:
+    def replay(*flags: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-m", "radixkv", "replay", "--trace", "synthetic", "--requests",
+             "150", "--memory", "512MiB", "--preset", "gpt-oss-like", "--conversations",
+             "--json", *flags], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    aware, base = replay("--window-fraction", "0.2"), replay("--all-full")
+    assert aware["window_parts"] > 0 and base["window_parts"] == 0
+    assert aware["capacity_blocks"] > base["capacity_blocks"]  # full parts: half the bytes
+    assert any("window fraction 0.200" in n for n in aware["notes"])
+    for r in (aware, base):
+        assert r["mismatches"] == 0 and r["integrity"] == "ok"
+        assert r["conversations"] > 0 and 0 <= r["conversations_held"] <= r["conversations"]
+    bad = subprocess.run([sys.executable, "-m", "radixkv", "replay", "--all-full"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert bad.returncode != 0 and "size a --memory budget" in bad.stderr

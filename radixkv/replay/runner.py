@@ -469,6 +469,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model layout --memory is counted in (default llama-3-8b)")
     p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8", "int4"),
                    help="the KV format --memory is counted in (default bf16)")
+    p.add_argument("--window-fraction", type=float, default=None, metavar="F",
+                   help="a sliding-window --preset (gpt-oss-like, gemma-3-like, "
+                   "mistral-7b-v0.1): the share of --memory for window parts (default: their "
+                   "share of one 4,096-token conversation); the replayed service then keeps "
+                   "window parts only for the last window of each resume point")
+    p.add_argument("--all-full", action="store_true",
+                   help="count --memory as if every layer of the preset were full attention "
+                   "(the window-unaware baseline)")
+    p.add_argument("--conversations", action="store_true",
+                   help="at the end, count the conversations (chains of prompts, each "
+                   "extending the last) whose last prompt is still cached whole")
     p.add_argument("--kv-sink-fraction", type=float, default=0.125,
                    help="int8/int4: the share of sink blocks (a sequence's first block), as "
                    "`radixkv serve` (0.125)")
@@ -517,31 +528,38 @@ class MemoryCapacity:
 
     blocks: int  # the replayed service's capacity: blocks, or a windowed pool's full parts
     sink_fraction: float
-    window_blocks: int = 0  # a sliding-window pool's window parts (reported beside)
+    window_blocks: int = 0  # a sliding-window pool's window parts
     note: str = ""  # for the report: how a windowed pool's memory splits
+    window: ReplayWindow | None = None  # the replayed service's window (windowed presets)
 
 
 def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
-                    sink_fraction: float) -> MemoryCapacity:
+                    sink_fraction: float, window_fraction: float | None = None,
+                    all_full: bool = False) -> MemoryCapacity:
     """The blocks of `preset`'s layout stored as `kv_dtype` in `memory` bytes: what a
     `radixkv serve --memory` pool of that format holds. A sliding-window preset's pool holds
-    full parts and window parts (gpu_pool.sizing.fit_window_blocks, the default window fraction;
-    quantized without sink tokens, as such a pool must be): the replay gets the full parts as
-    its blocks, one per cached block position, and the note reports both counts."""
+    full parts and window parts (gpu_pool.sizing.fit_window_blocks, `window_fraction` or the
+    default; quantized without sink tokens, as such a pool must be): the replay gets the full
+    parts as its blocks beside the window parts (`window`). `all_full`: count the preset as if
+    every layer were full attention (the baseline a window-unaware cache is)."""
     from gpu_pool.layout import KVLayout, parse_bytes
     from gpu_pool.sizing import default_window_fraction, fit_blocks, fit_window_blocks
 
     layout = KVLayout.from_preset(preset, None, block_size)
+    if all_full:
+        layout = layout.with_window(None)
     if kv_dtype != layout.dtype:
         layout = layout.with_dtype(kv_dtype, 0 if layout.is_windowed else None)
     if layout.is_windowed:
-        full, windows = fit_window_blocks(layout, parse_bytes(memory))
+        f = default_window_fraction(layout) if window_fraction is None else window_fraction
+        full, windows = fit_window_blocks(layout, parse_bytes(memory), f)
         note = (f"--memory {memory} of {preset} ({kv_dtype}, sliding window "
                 f"{layout.sliding_window} on {len(layout.window_layers)} of "
                 f"{layout.num_layers} layers) holds {full:,} full parts and {windows:,} window "
-                f"parts (window fraction {default_window_fraction(layout):.3f}); the replay "
-                f"caches {full:,} blocks, one per full part")
-        return MemoryCapacity(full, 0.0, windows, note)
+                f"parts (window fraction {f:.3f})")
+        window = ReplayWindow(layout.sliding_window or 0, windows,
+                              all_windowed=not layout.full_layers)
+        return MemoryCapacity(full, 0.0, windows, note, window)
     blocks = fit_blocks(layout, parse_bytes(memory), sink_fraction)
     if blocks < 1:
         raise InvalidArgument(f"--memory {memory} holds no {kv_dtype} block of {preset}")
@@ -571,10 +589,14 @@ def main(args: argparse.Namespace) -> int:
     if target is not None and target.startswith("/"):
         target = f"unix://{target}"
     capacity, sink_fraction, note = args.capacity_blocks, 0.0, ""
+    window: ReplayWindow | None = None
     if args.memory:
         counted = memory_capacity(args.preset, args.kv_dtype, block_size, args.memory,
-                                  args.kv_sink_fraction)
+                                  args.kv_sink_fraction, args.window_fraction, args.all_full)
         capacity, sink_fraction, note = counted.blocks, counted.sink_fraction, counted.note
+        window = counted.window
+    elif args.window_fraction is not None or args.all_full:
+        raise InvalidArgument("--window-fraction and --all-full size a --memory budget")
     report = run_replay(
         requests, target=target, block_size=block_size, capacity_blocks=capacity,
         sink_fraction=sink_fraction,
@@ -583,7 +605,8 @@ def main(args: argparse.Namespace) -> int:
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         num_windows=args.windows, progress=True,
         trace_name=args.trace, nodes=args.nodes, router=args.router, routing=args.routing,
-        kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints)
+        kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints,
+        window=window, conversations=args.conversations)
     if note:
         report = replace(report, notes=(*report.notes, note))
     paths = write_plots(report, args.plots) if args.plots else []
