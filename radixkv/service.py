@@ -652,19 +652,23 @@ class KVService:
             claimed.update(rest)
             return
         for i, b in enumerate(block_ids):
-            if i < len(cached) and cached[i] == b:
-                continue
-            if b in claimed:
-                raise InvalidArgument(f"block {b} is claimed by two items of one insert")
-            if b in lease.owned:
-                claimed.add(b)
-                continue
-            if b in self._lease_of_block:
-                raise PermissionDenied(f"block {b} is leased to another lease, "
-                                       f"not {lease.lease_id}")
-            if self.pool.is_free(b):
-                raise PermissionDenied(f"block {b} is not allocated to lease {lease.lease_id}")
-            raise AlreadyExists(f"block {b} is already cached under another prefix")
+            if not (i < len(cached) and cached[i] == b):
+                self._claim(lease, b, claimed, "block")
+
+    def _claim(self, lease: _Lease, b: int, claimed: set[int], what: str) -> None:
+        """Claim id `b` (a "block" or "window part") for an insert: the lease's own, not yet
+        claimed by another item; else the precise error."""
+        if b in claimed:
+            raise InvalidArgument(f"{what} {b} is claimed by two items of one insert")
+        if b in lease.owned:
+            claimed.add(b)
+            return
+        if b in self._lease_of_block:
+            raise PermissionDenied(f"{what} {b} is leased to another lease, not {lease.lease_id}")
+        if self.pool.is_free(b):
+            raise PermissionDenied(f"{what} {b} is not allocated to lease {lease.lease_id}")
+        raise AlreadyExists(f"{what} {b} is already cached "
+                            + ("under another prefix" if what == "block" else "at another block"))
 
     def _check_window_claims(self, lease: _Lease, tokens: bytes, window_ids: Sequence[int],
                              claimed: set[int]) -> None:
@@ -674,20 +678,8 @@ class KVService:
         cached = tree.window_parts(tokens)
         first = len(cached) - len(window_ids)
         for i, w in enumerate(window_ids, first):
-            if w == HOLE or cached[i] == w:
-                continue
-            if w in claimed:
-                raise InvalidArgument(f"window part {w} is claimed by two items of one insert")
-            if w in lease.owned:
-                claimed.add(w)
-                continue
-            if w in self._lease_of_block:
-                raise PermissionDenied(f"window part {w} is leased to another lease, "
-                                       f"not {lease.lease_id}")
-            if self.pool.is_free(w):
-                raise PermissionDenied(f"window part {w} is not allocated to lease "
-                                       f"{lease.lease_id}")
-            raise AlreadyExists(f"window part {w} is already cached at another block")
+            if w != HOLE and cached[i] != w:
+                self._claim(lease, w, claimed, "window part")
 
     def _cached_windows(self) -> int:
         return sum(ns.tree.num_window_blocks for ns in self._namespaces.values()
