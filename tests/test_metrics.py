@@ -99,3 +99,23 @@ def test_metrics_match_scripted_traffic(tmp_path):
         assert out.returncode == 2, out.stderr
         assert f"cannot serve metrics on 127.0.0.1:{port}" in out.stderr
 
+
+
+def test_window_parts_on_a_windowed_pool():
+    port = free_port()
+    with running_server("--metrics-port", str(port), "--sliding-window", "9",
+                        "--window-layers", "0", "--num-window-blocks", "6",
+                        num_blocks=8) as s, Client(s.socket) as kv:
+        with kv.lease("ns", list(range(20))) as lease:  # 5 blocks: 2 window parts (the tail)
+            m = scrape(port)
+
+            def one(name: str, **labels: str) -> float:
+                return m[(name, frozenset(labels.items()))]
+
+            assert {st: one("radixkv_blocks", state=st)
+                    for st in ("free", "leased", "cached", "pinned")} == {
+                "free": 3, "leased": 5, "cached": 0, "pinned": 0}
+            assert {st: one("radixkv_window_parts", state=st)
+                    for st in ("free", "leased", "cached")} == {
+                "free": 4, "leased": 2, "cached": 0}
+            assert lease.new_window_ids

@@ -68,12 +68,23 @@ class ServiceCollector(Collector):
         yield CounterMetricFamily("radixkv_prefix_cache_requests",
                                   "Match queries (one per prompt)", value=s.requests)
         blocks = GaugeMetricFamily("radixkv_blocks", "Pool blocks by state (disjoint: they sum "
-                                   "to radixkv_pool_blocks)", labels=["state"])
-        for state, n in (("free", s.free_blocks), ("leased", s.leased_blocks),
+                                   "to radixkv_pool_blocks; sliding-window pools: full parts)",
+                                   labels=["state"])
+        leased = s.num_blocks - s.free_blocks - s.cached_blocks  # Stats' leased has windows too
+        for state, n in (("free", s.free_blocks), ("leased", leased),
                          ("cached", s.cached_blocks - s.pinned_blocks),
                          ("pinned", s.pinned_blocks)):
             blocks.add_metric([state], n)
         yield blocks
+        if s.window_blocks:
+            windows = GaugeMetricFamily("radixkv_window_parts", "Sliding-window pools: window "
+                                        "parts by state (they sum to the window region)",
+                                        labels=["state"])
+            for state, n in (("free", s.free_window_blocks),
+                             ("leased", s.leased_blocks - leased),
+                             ("cached", s.cached_window_blocks)):
+                windows.add_metric([state], n)
+            yield windows
         yield GaugeMetricFamily("radixkv_pool_blocks", "Pool size in blocks", value=s.num_blocks)
         yield GaugeMetricFamily("radixkv_pool_block_bytes", "Bytes per pool block",
                                 value=self.service.pool.layout.bytes_per_block)
