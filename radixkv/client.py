@@ -43,7 +43,7 @@ from radixkv.server.config import (
     default_socket_path,
 )
 from radixkv.server.servicer import ERROR_KEY
-from radixkv.service import Allocation, LeaseMatch
+from radixkv.service import Allocation, LeaseMatch, WindowLeaseMatch
 from radixkv.tokens import ids_from_bytes, to_token_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
@@ -288,10 +288,12 @@ class Client:
         resp = self._call("Match", req)
         self._note_epoch(resp.epoch)
         epoch = resp.epoch
-        return [LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
-                           ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error,
-                           *((ids_from_bytes(r.window_ids), ids_from_bytes(r.new_window_ids))
-                             if r.window_ids or r.new_window_ids else ()))
+        return [WindowLeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
+                                 ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error,
+                                 ids_from_bytes(r.window_ids), ids_from_bytes(r.new_window_ids))
+                if r.window_ids or r.new_window_ids else
+                LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
+                           ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error)
                 for r in resp.results]
 
     def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "",
@@ -444,8 +446,8 @@ class Lease:
         self.num_tokens = m.num_tokens
         self.block_ids = m.block_ids
         self.new_block_ids = m.new_block_ids
-        self.window_ids = m.window_ids
-        self.new_window_ids = m.new_window_ids  # HOLE where a block needs none
+        self.window_ids: tuple[int, ...] = getattr(m, "window_ids", ())
+        self.new_window_ids: tuple[int, ...] = getattr(m, "new_window_ids", ())  # HOLE: none
         self.window_end = len(m.block_ids) + len(m.new_block_ids)  # new_window_ids end here
         self.alloc_error = m.alloc_error
         self.epoch = m.epoch

@@ -59,7 +59,7 @@ from radixkv.errors import (
 from radixkv.events import EventLog
 from radixkv.index.eviction import DEFAULT_POLICY, NO_HINT, parse_hint, policy_factory
 from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
-from radixkv.index.window_tree import HOLE, WindowedRadixTree
+from radixkv.index.window_tree import HOLE, WindowedRadixTree, WindowMatch
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 MAX_NAMESPACE_LEN = 256
@@ -103,10 +103,16 @@ class LeaseMatch:
     new_block_ids: tuple[int, ...] = ()  # allocated for the rest (a match with store_tokens)
     num_evicted: int = 0  # blocks evicted for new_block_ids
     alloc_error: str = ""  # why a match with store_tokens allocated nothing
-    # windowed pools: window parts of the last min(blocks, window_blocks) matched blocks, and
-    # (store_tokens) new window parts for the last blocks of the stored range, HOLE where none
-    # is needed: the new tail's last window_blocks blocks, and the blocks before the end of the
-    # cached full parts whose window parts are missing (a branch point: resumable next time)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowLeaseMatch(LeaseMatch):
+    """A Match's answer on a sliding-window pool (a subclass: the full-attention path builds
+    no more fields): the window parts of the last min(blocks, window_blocks) matched blocks,
+    and (store_tokens) new window parts for the last blocks of the stored range, HOLE where none
+    is needed: the new tail's last window_blocks blocks, and the blocks before the end of the
+    cached full parts whose window parts are missing (a branch point: resumable next time)."""
+
     window_ids: tuple[int, ...] = ()
     new_window_ids: tuple[int, ...] = ()
 
@@ -267,12 +273,13 @@ class KVService:
         with self._lock:
             new_names = {name for name, _ in queries if name not in self._namespaces}
             self._check_room_for(owner, len(queries), len(new_names))
-            full_ends = []
+            full_ends = []  # windowed pools: blocks whose full parts are cached, per query
             for namespace, tokens in queries:
                 ns = self._namespace(namespace)
                 lease = self._open_lease(owner, ns, ttl)
                 m = ns.tree.match(tokens)
-                full_ends.append(m.full_tokens // self.block_size)
+                if isinstance(m, WindowMatch):
+                    full_ends.append(m.full_tokens // self.block_size)
                 if m.num_tokens:
                     ns.tree.lock(m.handle)
                     lease.handles.append(m.handle)
@@ -281,11 +288,13 @@ class KVService:
                 ns.life.query_tokens += n
                 ns.life.hit_tokens += m.num_tokens
                 self._recent.append((n, m.num_tokens))
-                out.append(LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids, epoch,
-                                      window_ids=m.window_ids))
+                out.append(WindowLeaseMatch(lease.lease_id, m.num_tokens, m.block_ids, epoch,
+                                            window_ids=m.window_ids)
+                           if isinstance(m, WindowMatch)
+                           else LeaseMatch(lease.lease_id, m.num_tokens, m.block_ids, epoch))
             if store_tokens is not None:
                 out = [self._allocate_rest(owner, o, queries[i][1], store_tokens[i],
-                                           full_ends[i])
+                                           full_ends[i] if full_ends else 0)
                        for i, o in enumerate(out)]
         return out
 
@@ -318,8 +327,10 @@ class KVService:
             for i, w in zip(need, wids, strict=True):
                 aligned[i - need[0]] = w
             wids = tuple(aligned)
-        return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted,
-                                   new_window_ids=wids)
+        if isinstance(m, WindowLeaseMatch):
+            return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted,
+                                       new_window_ids=wids)
+        return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted)
 
     def _window_plan(self, m: LeaseMatch, tokens: bytes, end: int, full_end: int) -> list[int]:
         """Which of blocks [d, end) a request resumed at d should store window parts of: its

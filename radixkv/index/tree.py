@@ -40,8 +40,6 @@ class MatchResult:
     num_tokens: int  # a multiple of block_size
     block_ids: tuple[int, ...]  # the blocks holding those tokens, in order
     handle: object  # opaque; pass to lock() before the next mutating call
-    window_ids: tuple[int, ...] = ()  # windowed trees: window parts of the last blocks
-    full_tokens: int = 0  # windowed trees: tokens whose full parts are cached (>= num_tokens)
 
 
 @dataclass(frozen=True, slots=True)

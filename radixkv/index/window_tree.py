@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import IntegrityError, InvalidArgument
@@ -45,6 +46,14 @@ from radixkv.index.tree import (
 from radixkv.tokens import TokensLike, to_token_bytes
 
 HOLE = 0xFFFFFFFF  # a block without its window part
+
+
+@dataclass(frozen=True, slots=True)
+class WindowMatch(MatchResult):
+    """A windowed tree's match (a subclass: the full-attention path builds no more fields)."""
+
+    window_ids: tuple[int, ...] = ()  # window parts of the last min(blocks, window_blocks)
+    full_tokens: int = 0  # tokens whose full parts are cached (>= num_tokens)
 
 
 class _WNode(_Node):
@@ -79,7 +88,7 @@ class WindowedRadixTree(RadixTree):
 
     # -- reads ------------------------------------------------------------------------------
 
-    def match(self, tokens: TokensLike) -> MatchResult:
+    def match(self, tokens: TokensLike) -> WindowMatch:
         """The deepest resumable prefix of `tokens`: full parts of its blocks, and the window
         parts of its last min(depth, window_blocks) blocks."""
         key = to_token_bytes(tokens)
@@ -103,7 +112,7 @@ class WindowedRadixTree(RadixTree):
                     node, k = n, d - start
         handle = _Handle(self, node, k if node is not self._root else 0, self._version)
         w = min(d, self.window_blocks)
-        return MatchResult(d * self._block_size, tuple(ids[:d]), handle,
+        return WindowMatch(d * self._block_size, tuple(ids[:d]), handle,
                            tuple(windows[d - w:d]), len(ids) * self._block_size)
 
     def _resumable(self, windows: array[int]) -> int:

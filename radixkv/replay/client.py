@@ -258,7 +258,8 @@ def _request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verif
             if pool.bytes is not None:
                 checks.append((pool, m.block_ids, 0))
             if pool.windows is not None:
-                checks.append((pool.windows, m.window_ids, matched - len(m.window_ids)))
+                wins = getattr(m, "window_ids", ())
+                checks.append((pool.windows, wins, matched - len(wins)))
         for region, ids, first in checks:
             got = region.read(ids)
             bad = np.flatnonzero(got != keys[first:first + len(ids)])
@@ -270,7 +271,7 @@ def _request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verif
                                 f"read {int(got[i]):#018x}")
         need = len(tokens) // bb - matched
         new = m.new_block_ids
-        windows = m.new_window_ids  # a sliding-window pool: the new tail's window parts
+        windows = getattr(m, "new_window_ids", ())  # sliding-window pools: see LeaseMatch
         if need > 0 and not new and not args.window_blocks:  # four calls, or no room yet
             # (a sliding-window pool replays on two round trips; without room it stores none)
             t = clock()

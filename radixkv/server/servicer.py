@@ -27,7 +27,7 @@ from radixkv.errors import (
     StalePool,
 )
 from radixkv.events import KVEvent
-from radixkv.service import KVService
+from radixkv.service import KVService, WindowLeaseMatch
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
@@ -180,12 +180,17 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         response = pb.MatchResponse(epoch=self.service.pool.epoch)
         add = response.results.add  # ~1.5 us less per result than building a list (upb)
         for o in outcomes:
-            if o.new_block_ids or o.alloc_error or o.window_ids:
+            if isinstance(o, WindowLeaseMatch):
                 add(lease_id=o.lease_id, num_tokens=o.num_tokens,
                     block_ids=ids_to_bytes(o.block_ids),
                     new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
                     alloc_error=o.alloc_error, window_ids=ids_to_bytes(o.window_ids),
                     new_window_ids=ids_to_bytes(o.new_window_ids))
+            elif o.new_block_ids or o.alloc_error:
+                add(lease_id=o.lease_id, num_tokens=o.num_tokens,
+                    block_ids=ids_to_bytes(o.block_ids),
+                    new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
+                    alloc_error=o.alloc_error)
             else:
                 add(lease_id=o.lease_id, num_tokens=o.num_tokens,
                     block_ids=ids_to_bytes(o.block_ids))
