@@ -317,17 +317,20 @@ class _Slab(ABC):
             return used.reshape(n, self.layout.bytes_per_block)
         return used.view(NUMPY_DTYPES[self.layout.dtype]).reshape(slab_shape(self.layout, n))
 
-    def read(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, block_ids: Sequence[int], *,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks `block_ids` as engine-layout (k, v), each [layers, tokens, kv_heads, head_dim]
         in the model dtype: a copy (`gpu_pool.copy.gather`), dequantized for int8/int4 pools
-        (`gpu_pool.quant.gather`)."""
+        (`gpu_pool.quant.gather`). `out=(k, v)`: contiguous tensors of that shape to fill
+        instead of allocating."""
         if self.layout.is_quantized:
             from gpu_pool import quant
 
-            return quant.gather(self.layout, self.view(), self.sink_view(), block_ids)
+            return quant.gather(self.layout, self.view(), self.sink_view(), block_ids, out=out)
         from gpu_pool.copy import gather
 
-        return gather(self.view(), block_ids)
+        return gather(self.view(), block_ids, out=out)
 
     def write(self, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write engine-layout k, v ([layers, tokens, kv_heads, head_dim], any float dtype,
