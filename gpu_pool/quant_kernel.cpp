@@ -388,25 +388,35 @@ void keys_to_float(typename In::Key* keys, int64_t n, float* __restrict out) {
   if (values != out) std::copy(values, values + n, out);
 }
 
+// Widen the ranges [kmin, kmax] (as keys) by one token's values.
+template <typename In>
+void widen(const typename In::T* __restrict x, int64_t n, typename In::Key* __restrict kmin,
+           typename In::Key* __restrict kmax) {
+  for (int64_t i = 0; i < n; ++i) {
+    const typename In::Key key = order_key<In>(x[i]);
+    kmin[i] = std::min(kmin[i], key);
+    kmax[i] = std::max(kmax[i], key);
+  }
+}
+
 // Keys per channel: each (h, d)'s range over the block's tokens ([B, n] values, n = H x D).
 template <typename In>
 void channel_ranges(const typename In::T* x, int64_t B, int64_t n, int64_t first,
                     Scratch<In>& s) {
   using Key = typename In::Key;
-  Key* __restrict kmin = s.kmin.data();
-  Key* __restrict kmax = s.kmax.data();
-  std::fill(kmin, kmin + n, std::numeric_limits<Key>::max());
-  std::fill(kmax, kmax + n, std::numeric_limits<Key>::min());
-  for (int64_t t = 0; t < B; ++t) {
-    const typename In::T* __restrict xt = t < first ? s.zeros.data() : x + t * n;
-    for (int64_t i = 0; i < n; ++i) {
-      const Key key = order_key<In>(xt[i]);
-      kmin[i] = std::min(kmin[i], key);
-      kmax[i] = std::max(kmax[i], key);
-    }
-  }
-  keys_to_float<In>(kmin, n, s.lo.data());
-  keys_to_float<In>(kmax, n, s.hi.data());
+  std::fill(s.kmin.begin(), s.kmin.begin() + n, std::numeric_limits<Key>::max());
+  std::fill(s.kmax.begin(), s.kmax.begin() + n, std::numeric_limits<Key>::min());
+  for (int64_t t = 0; t < B; ++t)
+    widen<In>(t < first ? s.zeros.data() : x + t * n, n, s.kmin.data(), s.kmax.data());
+  keys_to_float<In>(s.kmin.data(), n, s.lo.data());
+  keys_to_float<In>(s.kmax.data(), n, s.hi.data());
+}
+
+// All of x (>= 0) at most `limit`? (The bits of non-negative floats order as integers.)
+bool all_at_most(const float* __restrict x, int64_t n, float limit) {
+  uint32_t largest = 0;
+  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, to_bits(x[i]));
+  return largest <= to_bits(limit);
 }
 
 // The range of group i: max |x| (int8, as a key in kmax[i]) or min and max keys (int4).
@@ -458,9 +468,7 @@ void encode_block(const Format& f, const typename In::T* k, const typename In::T
     if (channel) {
       channel_ranges<In>(x, B, H * D, first, s);
       int4_scales(s.lo.data(), s.hi.data(), H * D, scale, zero, s.lof.data(), s.inv.data());
-      int64_t slow = 0;
-      for (int64_t i = 0; i < H * D; ++i) slow += s.inv[i] > kFastInverse;
-      fast = slow == 0;
+      fast = all_at_most(s.inv.data(), H * D, kFastInverse);
     } else {
       const int64_t groups = B * H * per_row;
       for (int64_t r = 0; r < B * H; ++r)
