@@ -296,15 +296,21 @@ class _Slab(ABC):
     def _drop_views(self) -> None:
         """Forget the cached views (at close: the mapping may go once callers drop theirs)."""
         self.__dict__.pop("_view", None)
+        self.__dict__.pop("_sink_view", None)
 
     def sink_view(self) -> torch.Tensor:
         """The sink region as uint8 [num_sink_blocks, sink_bytes_per_block]: block id
         num_regular_blocks + i is row i (gpu_pool.quant reads both regions)."""
         self._check_open()
+        cached: torch.Tensor | None = self.__dict__.get("_sink_view")
+        if cached is not None:  # built once, as view()
+            return cached
         start = self.num_regular_blocks * self.layout.bytes_per_block
         end = slab_bytes(self.layout, self.num_blocks, self.num_sink_blocks)
-        return self._torch_bytes()[start:end].view(self.num_sink_blocks,
+        view = self._torch_bytes()[start:end].view(self.num_sink_blocks,
                                                    self.layout.sink_bytes_per_block)
+        self.__dict__["_sink_view"] = view
+        return view
 
     def numpy_view(self) -> np.ndarray[Any, Any]:
         """The whole slab as a numpy array, zero-copy (host pools only): same shape as `view()`;

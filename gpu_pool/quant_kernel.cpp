@@ -501,16 +501,19 @@ void encode_block(const Format& f, const typename In::T* k, const typename In::T
   }
 }
 
-// Every element finite? Checked on the bits before anything is written (NaN or Inf refuse the
-// whole write): the largest magnitude is below the all-ones exponent.
+// Every element of k and v (n each) finite? Checked on the bits before anything is written
+// (NaN or Inf refuse the whole write): the largest magnitude is below the all-ones exponent.
 template <typename In>
-bool all_finite(const typename In::T* x, int64_t n) {
+bool all_finite(const typename In::T* k, const typename In::T* v, int64_t n) {
   using T = typename In::T;
   const T inf = In::store(INFINITY);
   std::atomic<bool> ok{true};
-  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, 2 * n, 1 << 16, [&](int64_t begin, int64_t end) {
     T largest = 0;
-    for (int64_t i = begin; i < end; ++i) largest = std::max(largest, magnitude<In>(x[i]));
+    for (int64_t i = begin; i < std::min(end, n); ++i)
+      largest = std::max(largest, magnitude<In>(k[i]));
+    for (int64_t i = std::max(begin, n); i < end; ++i)
+      largest = std::max(largest, magnitude<In>(v[i - n]));
     if (largest >= inf) ok = false;
   });
   return ok;
@@ -530,7 +533,7 @@ bool encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& ids,
     using In = decltype(in_type);
     const auto* ki = static_cast<const typename In::T*>(k.data_ptr());
     const auto* vi = static_cast<const typename In::T*>(v.data_ptr());
-    finite = all_finite<In>(ki, k.numel()) && all_finite<In>(vi, v.numel());
+    finite = all_finite<In>(ki, vi, k.numel());
     if (!finite) return;
     at::parallel_for(0, n * f.L, 1, [&](int64_t begin, int64_t end) {
       Scratch<In> scratch(f);
