@@ -3,8 +3,9 @@ back, against the copy floor measured in the same run (a torch copy_ of one cont
 the same bytes, between the same two memories: pool slab <-> ordinary tensor).
 
 Block sizes 16 KiB .. 4 MiB come from block_size tokens x a small layout (2 layers, 8 KV heads,
-head_dim 128, fp16: 8 KiB per token). Timings are the best of --repeat rounds, each round
-running floor, gather and scatter back to back (so noise from other processes hits them alike).
+head_dim 128, fp16: 8 KiB per token; `--model-dtype fp32` doubles them). Timings are the best
+of --repeat rounds, each round running floor, gather and scatter back to back (so noise from
+other processes hits them alike).
 
 Rounds repeat the same bytes, so a call of 16-32 MiB runs partly L3-hot (floor and copies
 alike). `--cold` writes a 256 MiB buffer before every timed copy, so each starts from memory, as
@@ -13,9 +14,11 @@ scatter alike ~20 % against a sequential floor at 64 KiB blocks (DRAM locality),
 from 256 KiB up.
 
 Quantized pools (`--kv-dtypes int8,int4`, default both): rows with `kv_dtype` int8 / int4 time
-`pool.read` (gather + dequantize into fp16 K/V) and `pool.write` (quantize + scatter) of the same
-blocks, in model-dtype (fp16) bytes per second, and their ratios to the plain fp16 gather and
-scatter of the same run (`gather_vs_plain`, `scatter_vs_plain`).
+`pool.read` (gather + dequantize into model-dtype K/V, preallocated as the plain gather's are)
+and `pool.write` (quantize + scatter) of the same blocks, in model-dtype bytes per second, and
+their ratios to the plain gather and scatter of the same run (`gather_vs_plain`,
+`scatter_vs_plain`). On the CPU that is the fused kernel of gpu_pool/quant_kernel.cpp;
+`RADIXKV_NO_KERNEL=1` times the torch ops instead.
 
     .venv/bin/python bench/pool_copy.py --device cpu --blocks 256 --repeat 15
 """
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 
 from gpu_pool import create_pool, gather, scatter
+from gpu_pool.base import TORCH_DTYPES
 from gpu_pool.layout import KVLayout
 
 BLOCK_SIZES = [2, 8, 32, 128, 512]  # tokens: 16 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB blocks
@@ -40,8 +44,8 @@ POOL_CAP = 1 << 30  # the pool holds up to 4 N blocks, at most 1 GiB
 SCRATCH_BYTES = 256 << 20  # written before each timed copy: larger than any L3 / GPU L2
 
 
-def make_layout(block_size: int) -> KVLayout:
-    return KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype="fp16", block_size=block_size)
+def make_layout(block_size: int, dtype: str = "fp16") -> KVLayout:
+    return KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype=dtype, block_size=block_size)
 
 
 def timer(device: str) -> Callable[[Callable[[], object]], float]:
@@ -80,9 +84,9 @@ def best_times(device: str, ops: dict[str, Callable[[], object]], repeat: int,
 
 def bench_size(
     device: str, block_size: int, n: int, repeat: int, rng: random.Random,
-    flush: Callable[[], object],
+    flush: Callable[[], object], dtype: str = "fp16",
 ) -> dict[str, Any]:
-    layout = make_layout(block_size)
+    layout = make_layout(block_size, dtype)
     bpb = layout.bytes_per_block
     pool_blocks = max(n, min(4 * n, POOL_CAP // bpb))
     backend = "cuda" if device == "cuda" else "host"
@@ -111,6 +115,7 @@ def bench_size(
     gbs = {name: nbytes / t / 1e9 for name, t in best.items()}
     return {
         "kv_dtype": layout.dtype,
+        "model_dtype": layout.dtype,
         "block_bytes": bpb,
         "block_size": block_size,
         "blocks": n,
@@ -126,21 +131,25 @@ def bench_size(
 def bench_quantized(device: str, kv_dtype: str, plain: dict[str, Any], repeat: int,
                     rng: random.Random, flush: Callable[[], object]) -> dict[str, Any]:
     """pool.read / pool.write of `plain`'s blocks stored as `kv_dtype`, against `plain`."""
-    model = make_layout(plain["block_size"])
+    model = make_layout(plain["block_size"], plain["model_dtype"])
     layout = model.with_dtype(kv_dtype, sink_tokens=0)
     n = plain["blocks"]
     backend = "cuda" if device == "cuda" else "host"
     with create_pool(layout, num_blocks=2 * n, backend=backend, name_prefix="rkvbench") as pool:
+        pool.view().fill_(7)  # fault every page in, not in the timed part
         ids = rng.sample(range(2 * n), n)
         shape = (model.num_layers, n * model.block_size, model.num_kv_heads, model.head_dim)
-        k = torch.randn(shape, dtype=torch.float16, device=pool.view().device)
+        dtype = getattr(torch, TORCH_DTYPES[model.dtype])
+        k = torch.randn(shape, dtype=dtype, device=pool.view().device)
         v = torch.randn_like(k)
+        out = (torch.empty_like(k), torch.empty_like(v))
         ops: dict[str, Callable[[], object]] = {
-            "gather": lambda: pool.read(ids), "scatter": lambda: pool.write(ids, k, v)}
+            "gather": lambda: pool.read(ids, out=out), "scatter": lambda: pool.write(ids, k, v)}
         best = best_times(device, ops, repeat, flush)
     nbytes = plain["bytes"]  # the same K/V in the model dtype
     return {
         "kv_dtype": kv_dtype,
+        "model_dtype": model.dtype,
         "block_bytes": layout.bytes_per_block,
         "block_size": model.block_size,
         "blocks": n,
@@ -165,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--cold", action="store_true",
                         help="flush caches before every timed copy (write a 256 MiB buffer)")
+    parser.add_argument("--model-dtype", choices=("fp16", "bf16", "fp32"), default="fp16",
+                        help="the plain pool's dtype, and the quantized pools' model dtype")
     parser.add_argument("--kv-dtypes", default="int8,int4",
                         help="quantized formats to time beside the plain copy ('' for none)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     flush: Callable[[], object] = (
         torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=args.device).zero_ if args.cold
         else (lambda: None))
-    rows = [bench_size(args.device, bs, args.blocks, args.repeat, rng, flush)
+    rows = [bench_size(args.device, bs, args.blocks, args.repeat, rng, flush, args.model_dtype)
             for bs in BLOCK_SIZES]
     big = [r for r in rows if r["block_bytes"] >= 64 << 10]
     worst = min(min(r["gather_ratio"], r["scatter_ratio"]) for r in big)
@@ -190,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": args.device,
         "threads": torch.get_num_threads(),
+        "model_dtype": args.model_dtype,
         "blocks": args.blocks,
         "repeat": args.repeat,
         "seed": args.seed,
@@ -202,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"device {args.device}, {torch.get_num_threads()} torch threads, {args.blocks} random "
-          f"blocks per call, best of {args.repeat}, caches {result['caches']}")
+    print(f"device {args.device}, {args.model_dtype}, {torch.get_num_threads()} torch threads, "
+          f"{args.blocks} random blocks per call, best of {args.repeat}, caches "
+          f"{result['caches']}")
     print(f"{'block':>8} {'floor in':>9} {'gather':>9} {'ratio':>6} {'floor out':>9} "
           f"{'scatter':>9} {'ratio':>6}   (GB/s)")
     for r in rows:
@@ -213,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pool_copy: worst gather/scatter ratio to the copy floor for blocks >= 64 KiB: "
           f"{worst:.2f} (goal 0.80)")
     if quantized:
-        print("\nquantized (model-dtype fp16 bytes/s), against the plain fp16 copy above")
+        print(f"\nquantized (model-dtype {args.model_dtype} bytes/s), against the plain copy above")
         print(f"{'format':>7} {'block':>8} {'gather':>9} {'vs plain':>8} {'scatter':>9} "
               f"{'vs plain':>8}   (GB/s)")
         for r in quantized:

@@ -304,15 +304,21 @@ class _Slab(ABC):
         """Forget the cached views (at close: the mapping may go once callers drop theirs)."""
         self.__dict__.pop("_view", None)
         self.__dict__.pop("_window_view", None)
+        self.__dict__.pop("_sink_view", None)
 
     def sink_view(self) -> torch.Tensor:
         """The sink region as uint8 [num_sink_blocks, sink_bytes_per_block]: block id
         num_regular_blocks + i is row i (gpu_pool.quant reads both regions)."""
         self._check_open()
+        cached: torch.Tensor | None = self.__dict__.get("_sink_view")
+        if cached is not None:  # built once, as view()
+            return cached
         start = self.num_regular_blocks * self.full_layout.bytes_per_block
         end = start + self.num_sink_blocks * self.layout.sink_bytes_per_block
-        return self._torch_bytes()[start:end].view(self.num_sink_blocks,
+        view = self._torch_bytes()[start:end].view(self.num_sink_blocks,
                                                    self.layout.sink_bytes_per_block)
+        self.__dict__["_sink_view"] = view
+        return view
 
     def numpy_view(self) -> np.ndarray[Any, Any]:
         """The whole slab as a numpy array, zero-copy (host pools only): same shape as `view()`;
@@ -325,19 +331,23 @@ class _Slab(ABC):
             return used.reshape(n, layout.bytes_per_block)
         return used.view(NUMPY_DTYPES[layout.dtype]).reshape(slab_shape(layout, n))
 
-    def read(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, block_ids: Sequence[int], *,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks `block_ids` as engine-layout (k, v), each [layers, tokens, kv_heads, head_dim]
         in the model dtype: a copy (`gpu_pool.copy.gather`), dequantized for int8/int4 pools
         (`gpu_pool.quant.gather`). A windowed pool: full parts, layers = the full layers (0 for
-        an all-windowed layout: empty tensors); window parts are `read_window`'s."""
+        an all-windowed layout: empty tensors); window parts are `read_window`'s. `out=(k, v)`:
+        contiguous tensors of that shape to fill instead of allocating."""
         try:
             if self.full_layout.is_quantized:
                 from gpu_pool import quant
 
-                return quant.gather(self.full_layout, self.view(), self.sink_view(), block_ids)
+                return quant.gather(self.full_layout, self.view(), self.sink_view(), block_ids,
+                                    out=out)
             from gpu_pool.copy import gather
 
-            return gather(self.view(), block_ids)
+            return gather(self.view(), block_ids, out=out)
         except InvalidArgument:  # a window part's id says so (no cost on the way without)
             if self.num_window_blocks:
                 self._full_ids(block_ids, "read")

@@ -20,17 +20,26 @@ of every sequence) is a quantized block followed by a `sink` segment: its first 
 tokens [layers, 2, sink_tokens, kv_heads, head_dim] in the model dtype, bit-exact. Those tokens
 are zero in the quantized part, so they do not widen the per-channel key ranges.
 
-`gather` reads whole block rows with one index_select per region, then dequantizes all blocks in
-one batch of tensor ops; `scatter` quantizes in one batch and writes rows with one index_copy_
-per region. Nothing loops over blocks in Python.
+On the CPU, `gather` and `scatter` run the fused kernel of gpu_pool/quant_kernel.cpp (one pass
+per block and layer, byte for byte these ops' results); the torch ops below are its reference and
+the path everywhere else (CUDA, RADIXKV_NO_KERNEL=1, no compiler). There, `gather` reads whole
+block rows with one index_select per region, then dequantizes all blocks in one batch of tensor
+ops; `scatter` quantizes in one batch and writes rows with one index_copy_ per region. Nothing
+loops over blocks in Python.
+
+A zero scale or minimum is stored as +0: the sign a reduction gives an all-zero group depends on
+where the group falls in torch's vector loops, and the bytes must not.
 """
 
 from __future__ import annotations
 
+import array
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from gpu_pool import quant_kernel
 from gpu_pool.errors import InvalidArgument
 from gpu_pool.layout import KVLayout
 
@@ -133,13 +142,16 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 
 # ---- quantize: engine-layout K, V -> segments ---------------------------------------------
 
+NON_FINITE = "KV holds NaN or Inf: refusing to quantize it into the pool"
+
+
 def _refuse_non_finite(extreme: torch.Tensor) -> None:
     """NaN and Inf reach a group's max or min (amax/amin propagate NaN): checking those small
     tensors checks every element."""
     import torch
 
     if not bool(torch.isfinite(extreme).all()):
-        raise InvalidArgument("KV holds NaN or Inf: refusing to quantize it into the pool")
+        raise InvalidArgument(NON_FINITE)
 
 
 def _quantize(x: torch.Tensor, int8: bool, group: int, channel: bool
@@ -151,7 +163,7 @@ def _quantize(x: torch.Tensor, int8: bool, group: int, channel: bool
     xf = x.to(torch.float32, copy=True)  # one fp32 copy, then in place
     if int8:  # symmetric absmax per (token, head, group)
         xg = _groups(xf, group)
-        amax = torch.maximum(xg.amax(-1), xg.amin(-1).neg())
+        amax = torch.maximum(xg.amax(-1), xg.amin(-1).neg()).add_(0.0)  # -0 -> +0
         scale = (amax / 127).to(torch.float16)
         inv = scale.float().clamp_min(1e-30).reciprocal()  # a zero row stays zero
         xg.mul_(inv.unsqueeze(-1)).round_().clamp_(-127, 127)
@@ -162,8 +174,8 @@ def _quantize(x: torch.Tensor, int8: bool, group: int, channel: bool
     else:
         view = _groups(xf, group)
         lo32, hi = view.amin(-1, keepdim=True), view.amax(-1, keepdim=True)
-    lo = lo32.to(torch.float16)
-    scale = ((hi - lo.float()) / 15).to(torch.float16)
+    lo = (lo32 + 0.0).to(torch.float16)  # (+ 0.0: -0 -> +0)
+    scale = ((hi - lo.float()) / 15).add_(0.0).to(torch.float16)
     inv = scale.float().clamp_min(1e-30).reciprocal()
     view.sub_(lo.float()).mul_(inv).round_().clamp_(0, 15)
     codes = xf.to(torch.int8)  # (float -> int8 is the fast cast)
@@ -261,34 +273,84 @@ def _decode_rows(layout: KVLayout, rows: torch.Tensor, num_sink: int, k: torch.T
 
 # ---- gather / scatter against a pool ------------------------------------------------------
 
+@functools.lru_cache(maxsize=64)
+def _kernel_format(layout: KVLayout) -> tuple[int, ...]:
+    """The layout as quant_kernel.cpp's Format reads it: geometry, codec, segment offsets."""
+    offsets = {}
+    offset = 0
+    for name, shape, itemsize in layout.segments():
+        offsets[name] = offset
+        offset += itemsize * math.prod(shape)
+    return (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim,
+            8 if layout.dtype == "int8" else 4, layout.group, int(layout.key_scales == "channel"),
+            layout.sink_tokens, quant_kernel.DTYPE_CODES[layout.model_dtype],
+            layout.bytes_per_block, offsets["data"], offsets["k_scale"], offsets.get("k_zero", 0),
+            offsets["v_scale"], offsets.get("v_zero", 0))
+
+
+def _ids(block_ids: Sequence[int], num_blocks: int) -> tuple[array.array[int], torch.Tensor]:
+    """`block_ids` as int64s, checked to lie in 0..num_blocks-1, and as a CPU tensor sharing
+    their buffer (keep the array alive while the tensor is used). C loops: a request's ids in
+    ~10 us, where Python loops over them cost a tenth of a small gather."""
+    import torch
+
+    try:
+        ids = array.array("q", block_ids)
+    except TypeError:  # floats and other int-likes, as int() takes them
+        ids = array.array("q", [int(i) for i in block_ids])
+    if not ids:
+        return ids, torch.empty(0, dtype=torch.int64)
+    t = torch.frombuffer(ids, dtype=torch.int64)
+    lo, hi = (int(x) for x in torch.aminmax(t))
+    if lo < 0 or hi >= num_blocks:
+        raise InvalidArgument(f"block id {lo if lo < 0 else hi} out of range 0..{num_blocks - 1}")
+    return ids, t
+
+
 def _order(ids: Sequence[int], num_blocks: int, num_sink: int) -> tuple[list[int], list[int]]:
-    """Positions in `ids` of sink blocks, then of regular ones (ids validated)."""
+    """Positions in `ids` (checked) of sink blocks, then of regular ones."""
     first_sink = num_blocks - num_sink
     sinks: list[int] = []
     regular: list[int] = []
     for pos, i in enumerate(ids):
-        if not 0 <= i < num_blocks:
-            raise InvalidArgument(f"block id {i} out of range 0..{num_blocks - 1}")
         (sinks if i >= first_sink else regular).append(pos)
     return sinks, regular
 
 
 def gather(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids: Sequence[int],
-           out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           out_dtype: torch.dtype | None = None, *,
+           out: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize blocks `block_ids` of a pool whose regular region is `plain` (uint8 [N,
     bytes_per_block]) and sink region `sink` (uint8 [M, sink_bytes_per_block]; ids N..N+M-1)
-    into (k, v), each [layers, tokens, kv_heads, head_dim] in the model dtype."""
+    into (k, v), each [layers, tokens, kv_heads, head_dim] in the model dtype (or
+    `out_dtype`). `out=(k, v)`: contiguous tensors of that shape, any float dtype, on the pool's
+    device, to fill instead of allocating."""
     import torch
 
-    ids = [int(i) for i in block_ids]
     n_plain = plain.shape[0]
-    sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])
+    ids, id_tensor = _ids(block_ids, n_plain + sink.shape[0])
     L, B, H, D = layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim
     dev = plain.device
-    k = torch.empty((L, len(ids) * B, H, D), dtype=out_dtype or model_dtype(layout), device=dev)
-    v = torch.empty_like(k)
+    shape = (L, len(ids) * B, H, D)
+    if out is None:
+        k = torch.empty(shape, dtype=out_dtype or model_dtype(layout), device=dev)
+        v = torch.empty_like(k)
+    else:
+        k, v = out
+        for name, t in (("out k", k), ("out v", v)):
+            if (tuple(t.shape) != shape or t.device != dev or not t.is_contiguous()
+                    or not t.dtype.is_floating_point or t.dtype != k.dtype):
+                raise InvalidArgument(
+                    f"{name} is {t.dtype} {tuple(t.shape)} on {t.device}, expected a "
+                    f"contiguous float tensor {shape} on {dev} (k and v of one dtype)")
+    kernel = quant_kernel.usable(plain, k.dtype)
+    if kernel is not None:
+        kernel.decode(plain, sink, id_tensor, k, v, _kernel_format(layout))
+        return k, v
+    sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])
     if not sink_pos:  # the common case: one index_select, one fused op per part
-        rows = plain.index_select(0, torch.tensor(ids, device=dev))
+        rows = plain.index_select(0, id_tensor.to(dev))
         _decode_rows(layout, rows, 0, _per_block(k, layout), _per_block(v, layout))
         return k, v
     order = sink_pos + plain_pos  # decode sink rows first, then put blocks in place
@@ -312,7 +374,8 @@ def scatter(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids
     block_size) into blocks `block_ids` (distinct). Refuses NaN/Inf before writing anything."""
     import torch
 
-    ids = [int(i) for i in block_ids]
+    n_plain = plain.shape[0]
+    ids, id_tensor = _ids(block_ids, n_plain + sink.shape[0])
     if len(set(ids)) != len(ids):
         raise InvalidArgument("scatter got a block id twice")
     L, B, H, D = layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim
@@ -320,15 +383,19 @@ def scatter(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape) != shape:
             raise InvalidArgument(f"{name} has shape {tuple(t.shape)}, expected {shape}")
-    n_plain = plain.shape[0]
-    sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])
     dev = plain.device
     k, v = k.to(dev).contiguous(), v.to(dev).contiguous()
+    kernel = quant_kernel.usable(plain, k.dtype) if k.dtype == v.dtype else None
+    if kernel is not None:  # checks every value before it writes any
+        if not kernel.encode(k, v, id_tensor, plain, sink, _kernel_format(layout)):
+            raise InvalidArgument(NON_FINITE)
+        return
+    sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])
     kb, vb = _per_block(k, layout), _per_block(v, layout)
     if not sink_pos:
         rows = torch.empty((len(ids), plain.shape[1]), dtype=torch.uint8, device=dev)
         _encode_rows(layout, kb, vb, rows, 0)
-        plain.index_copy_(0, torch.tensor(ids, device=dev), rows)
+        plain.index_copy_(0, id_tensor.to(dev), rows)
         return
     order = torch.tensor(sink_pos + plain_pos, device=dev)
     rows = torch.zeros((len(ids), sink.shape[1]), dtype=torch.uint8, device=dev)

@@ -21,6 +21,7 @@ def run(*args: str) -> str:
 @pytest.mark.parametrize("args", [
     ("token_encoding.py", "--sizes", "64", "--repeat", "3", "--json"),
     ("pool_copy.py", "--blocks", "4", "--repeat", "1", "--json"),
+    ("pool_copy.py", "--blocks", "2", "--repeat", "1", "--model-dtype", "bf16", "--json"),
 ])
 def test_bench_prints_json(args):
     json.loads(run(str(BENCH / args[0]), *args[1:]))

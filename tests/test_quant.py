@@ -105,7 +105,9 @@ def test_sink_tokens_come_back_bit_exact_and_do_not_widen_key_ranges():
     assert snr_db(rest, back[0, :, :, 2:]) > snr_db(rest, without[0, :, :, 2:]) + 10
 
 
-def test_nan_and_inf_are_refused_and_nothing_is_written():
+@pytest.mark.parametrize("no_kernel", ["0", "1"])  # the CPU kernel, the torch ops
+def test_nan_and_inf_are_refused_and_nothing_is_written(monkeypatch, no_kernel):
+    monkeypatch.setenv("RADIXKV_NO_KERNEL", no_kernel)
     lay = layout("int8", sinks=2)
     with create_pool(lay, num_blocks=4, sink_fraction=0.5) as pool:
         before = pool.view().clone(), pool.sink_view().clone()
@@ -120,8 +122,10 @@ def test_nan_and_inf_are_refused_and_nothing_is_written():
         assert torch.equal(pool.view(), before[0]) and torch.equal(pool.sink_view(), before[1])
 
 
+@pytest.mark.parametrize("no_kernel", ["0", "1"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_pool_and_calc_agree_byte_for_byte(name):
+def test_pool_and_calc_agree_byte_for_byte(monkeypatch, name, no_kernel):
+    monkeypatch.setenv("RADIXKV_NO_KERNEL", no_kernel)
     lay = layout(name)
     row = next(r for r in calculate(lay).rows if r.dtype == lay.dtype)
     with create_pool(lay, num_blocks=8, sink_fraction=0.25) as pool:

@@ -1,0 +1,130 @@
+"""The fused CPU codec for quantized blocks (quant_kernel.cpp): built on first use, then loaded.
+
+gpu_pool/quant.py's torch ops stay the reference and the fallback: CUDA tensors, K/V of
+another dtype than fp32/fp16/bf16, `RADIXKV_NO_KERNEL=1`, and any machine where the extension
+cannot be built (no compiler, no ninja), which is logged once and never fails a call.
+
+The build is a torch C++ extension compiled for this CPU (`-march=native`) into
+$RADIXKV_CACHE_DIR (default ~/.cache/radixkv)/kernels/quant-<key>/, the key hashing the
+source, the flags, torch, Python and the CPU's features; a file lock keeps two processes from
+building at once (the second waits, then loads). Loading registers torch.ops.radixkv_quant.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("gpu_pool.quant_kernel")
+
+SOURCE = Path(__file__).with_name("quant_kernel.cpp")
+NAME = "radixkv_quant"
+# no FMA contraction: quant.py's mul and add round one by one
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing",
+          "-fopenmp"]
+DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}  # quant_kernel.cpp Dtype
+
+_lock = threading.Lock()
+_loaded: list[Any] = []  # [torch.ops.radixkv_quant] once loaded, [None] when it cannot be
+
+
+def disabled() -> bool:
+    """$RADIXKV_NO_KERNEL set (and not "0"): use the torch-op codec (read at every call)."""
+    return os.environ.get("RADIXKV_NO_KERNEL", "0") not in ("", "0")
+
+
+def cache_dir() -> Path:
+    """$RADIXKV_CACHE_DIR, else ~/.cache/radixkv (kernels live under kernels/, beside the
+    converted models of radixkv.engines.models)."""
+    env = os.environ.get("RADIXKV_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "radixkv"
+
+
+def ops() -> Any | None:
+    """torch.ops.radixkv_quant, building it on the first call; None when disabled or when it
+    cannot be built or loaded (the reason logged once)."""
+    if disabled():
+        return None
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                try:
+                    _loaded.append(_build_and_load())
+                except Exception as e:  # no compiler, no ninja, a failed build: fall back
+                    log.warning("quantized-KV CPU kernel unavailable (%s); using the torch-op "
+                                "codec", _reason(e))
+                    log.debug("kernel build failed", exc_info=True)
+                    _loaded.append(None)
+    return _loaded[0]
+
+
+def usable(t: torch.Tensor, dtype: torch.dtype) -> Any | None:
+    """The ops when the kernel applies to pool rows `t` and K/V of `dtype`, else None."""
+    import torch
+
+    if t.device.type != "cpu" or dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    return ops()
+
+
+def _reason(e: Exception) -> str:
+    """One line of a build failure: the compiler's first error, else the message's first line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return ((errors or lines or [type(e).__name__])[0])[:300]
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build_and_load() -> Any:
+    import torch
+
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([
+        source, " ".join(CFLAGS).encode(), torch.__version__.encode(), sys.version.encode(),
+        platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
+    build = cache_dir() / "kernels" / f"quant-{key}"
+    built = build / "built"  # written last: a build killed halfway is redone
+    build.mkdir(parents=True, exist_ok=True)
+    with open(build.parent / f"quant-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released if this process dies, unlike torch's baton
+        if not built.exists():
+            _build(build)
+            built.touch()
+    torch.ops.load_library(str(build / f"{NAME}.so"))  # type: ignore[no-untyped-call]
+    return torch.ops.radixkv_quant
+
+
+def _build(build: Path) -> None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")  # what torch compiles with
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler: {compiler} not found")
+    print(f"radixkv: compiling the quantized-KV CPU kernel once, into {build} (10-20 s) ...",
+          file=sys.stderr, flush=True)
+    start = time.monotonic()
+    (build / "lock").unlink(missing_ok=True)  # torch's own lock file, left by a killed build
+    cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build),
+                       is_python_module=False, verbose=False)
+    print(f"radixkv: quantized-KV CPU kernel built in {time.monotonic() - start:.0f} s",
+          file=sys.stderr, flush=True)
