@@ -1,8 +1,10 @@
 // Quantized KV blocks on the CPU: gpu_pool/quant.py's gather (dequantize on read) and scatter
-// (quantize on write) fused into one pass over each (block, layer), on torch's threads. The
-// torch ops in quant.py are the reference: the same arithmetic in the same order, in fp32,
-// rounding half to even, so bytes and values are the same bit for bit
-// (tests/test_quant_kernel.py). Built and loaded by gpu_pool/quant_kernel.py.
+// (quantize on write) as loops over each (block, layer), on torch's threads: gather reads a
+// block's row and writes model-dtype K/V in one pass; scatter finds every range first (and
+// refuses NaN / Inf before writing anything), then writes scales and codes. The torch ops in
+// quant.py are the reference: the same arithmetic in the same order, in fp32, rounding half to
+// even, so bytes and values are the same bit for bit (tests/test_quant_kernel.py). Built and
+// loaded by gpu_pool/quant_kernel.py.
 //
 // The loops are plain C++ that the compiler vectorizes: fp16 / bf16 conversions are written
 // branch-free (as c10::Half does them; F16C instructions where the CPU has them), and ranges
@@ -195,7 +197,8 @@ uint16_t* halfs(uint8_t* row, int64_t offset) { return reinterpret_cast<uint16_t
 
 // Per-thread buffers: a row of zeros (a sink block's sink tokens enter the quantized part as
 // zeros, so they do not widen the scales), one (token, head) of fp32 values and of int4 codes,
-// and per channel or per group of a layer's slab, ranges (as keys, then fp32) and scales.
+// and per channel or per group of a layer's slab, its ranges (as keys, as fp32) and the fp32
+// minimums and inverse scales of per-channel keys.
 template <typename E>
 struct Scratch {
   std::vector<typename E::T> zeros;
@@ -408,8 +411,27 @@ void channel_ranges(const typename In::T* x, int64_t B, int64_t n, int64_t first
   std::fill(s.kmax.begin(), s.kmax.begin() + n, std::numeric_limits<Key>::min());
   for (int64_t t = 0; t < B; ++t)
     widen<In>(t < first ? s.zeros.data() : x + t * n, n, s.kmin.data(), s.kmax.data());
-  keys_to_float<In>(s.kmin.data(), n, s.lo.data());
-  keys_to_float<In>(s.kmax.data(), n, s.hi.data());
+}
+
+// The range of group i as keys: min and max (int4), or 0 and max |x| (int8: a magnitude is its
+// own key).
+template <typename In>
+void group_range(const typename In::T* __restrict x, int64_t n, bool int8, int64_t i,
+                 Scratch<In>& s) {
+  using Key = typename In::Key;
+  if (int8) {
+    typename In::T amax = 0;
+    for (int64_t j = 0; j < n; ++j) amax = std::max(amax, magnitude<In>(x[j]));
+    s.kmin[i] = 0, s.kmax[i] = Key(amax);
+    return;
+  }
+  Key kmin = std::numeric_limits<Key>::max(), kmax = std::numeric_limits<Key>::min();
+  for (int64_t j = 0; j < n; ++j) {
+    const Key key = order_key<In>(x[j]);
+    kmin = std::min(kmin, key);
+    kmax = std::max(kmax, key);
+  }
+  s.kmin[i] = kmin, s.kmax[i] = kmax;
 }
 
 // All of x (>= 0) at most `limit`? (The bits of non-negative floats order as integers.)
@@ -419,131 +441,164 @@ bool all_at_most(const float* __restrict x, int64_t n, float limit) {
   return largest <= to_bits(limit);
 }
 
-// The range of group i: max |x| (int8, as a key in kmax[i]) or min and max keys (int4).
+// No NaN or Inf among the ranges' ends (they order outside every finite value's key), nor
+// among n more values.
 template <typename In>
-void group_range(const typename In::T* __restrict x, int64_t n, bool int8, int64_t i,
-                 Scratch<In>& s) {
+bool finite(const typename In::Key* __restrict kmin, const typename In::Key* __restrict kmax,
+            int64_t ranges, const typename In::T* __restrict x, int64_t n) {
   using Key = typename In::Key;
-  if (int8) {
-    typename In::T amax = 0;
-    for (int64_t j = 0; j < n; ++j) amax = std::max(amax, magnitude<In>(x[j]));
-    s.kmax[i] = Key(amax);  // a magnitude is its own key
-    return;
-  }
-  Key kmin = std::numeric_limits<Key>::max(), kmax = std::numeric_limits<Key>::min();
-  for (int64_t j = 0; j < n; ++j) {
-    const Key key = order_key<In>(x[j]);
-    kmin = std::min(kmin, key);
-    kmax = std::max(kmax, key);
-  }
-  s.kmin[i] = kmin;
-  s.kmax[i] = kmax;
+  Key lo = std::numeric_limits<Key>::max(), hi = std::numeric_limits<Key>::min();
+  for (int64_t i = 0; i < ranges; ++i) lo = std::min(lo, kmin[i]), hi = std::max(hi, kmax[i]);
+  typename In::T largest = 0;
+  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, magnitude<In>(x[i]));
+  const typename In::T inf = In::store(INFINITY);
+  return lo > order_key<In>(In::store(-INFINITY)) && hi < order_key<In>(inf) && largest < inf;
 }
 
-// The block's [B, H, D] slabs of K and V of layer l -> its row (codes, scales, sink tokens),
-// in three steps per slab: the ranges, all their scales in one vector loop, the codes.
+// One layer's slab of K (kv 0) or V of one block, [B, H, D]; a sink block's first `first`
+// tokens are zeros in the quantized part.
 template <typename In>
-void encode_block(const Format& f, const typename In::T* k, const typename In::T* v,
-                  uint8_t* row, bool sink_block, int64_t l, Scratch<In>& s) {
-  const int64_t B = f.B, H = f.H, D = f.D, P = f.code_bytes(), G = f.group, per_row = D / G;
-  const int64_t first = sink_block ? f.sinks : 0;
-  const bool int8 = f.bits == 8;
-  for (int kv = 0; kv < 2; ++kv) {
-    const typename In::T* x = kv ? v : k;
-    uint8_t* data = row + f.data + (l * 2 + kv) * B * H * P;
-    const int64_t at = f.scales_at(kv, l);
-    uint16_t* scale = halfs(row, f.scale[kv]) + at;
-    uint16_t* zero = halfs(row, f.zero[kv]) + at;
-    if (first) {
-      uint8_t* exact = row + f.quant_bytes;
-      const int64_t n = first * H * D, base = (l * 2 + kv) * n;
-      dispatch(f.model, [&](auto model) {
-        using M = decltype(model);
-        for (int64_t i = 0; i < n; ++i) store_at<M>(exact, base + i, M::store(In::load(x[i])));
-      });
-    }
-    auto row_of = [&](int64_t r) { return r / H < first ? s.zeros.data() : x + r * D; };
-    const bool channel = f.channel(kv);
-    bool fast = true;  // every channel's inverse scale <= kFastInverse
+struct Slab {
+  const Format& f;
+  const typename In::T* x;
+  int kv;
+  int64_t first;
+  int64_t scales() const { return f.channel(kv) ? f.H * f.D : f.B * f.H * (f.D / f.group); }
+  const typename In::T* row(int64_t r, const Scratch<In>& s) const {  // (token, head) r
+    return r / f.H < first ? s.zeros.data() : x + r * f.D;
+  }
+};
+
+// A slab's ranges, as keys in s.kmin / s.kmax: false if a value is NaN or Inf.
+template <typename In>
+bool slab_ranges(const Slab<In>& slab, Scratch<In>& s) {
+  const Format& f = slab.f;
+  const int64_t G = f.group, per_row = f.D / G;
+  if (f.channel(slab.kv)) {
+    channel_ranges<In>(slab.x, f.B, f.H * f.D, slab.first, s);
+  } else {
+    for (int64_t r = 0; r < f.B * f.H; ++r)
+      for (int64_t g = 0; g < per_row; ++g)
+        group_range<In>(slab.row(r, s) + g * G, G, f.bits == 8, r * per_row + g, s);
+  }
+  return finite<In>(s.kmin.data(), s.kmax.data(), slab.scales(), slab.x,
+                    slab.first * f.H * f.D);
+}
+
+// Scales of the ranges in s: as stored (fp16), and the fp32 minimums and inverse scales that
+// quantize with them.
+template <typename In>
+void range_scales(const Slab<In>& slab, Scratch<In>& s, uint16_t* scale, uint16_t* zero,
+                  float* lof, float* inv) {
+  const int64_t n = slab.scales();
+  keys_to_float<In>(s.kmax.data(), n, s.hi.data());
+  if (slab.f.bits == 8) {
+    int8_scales(s.hi.data(), n, scale, inv);
+  } else {
+    keys_to_float<In>(s.kmin.data(), n, s.lo.data());
+    int4_scales(s.lo.data(), s.hi.data(), n, scale, zero, lof, inv);
+  }
+}
+
+// A slab's codes into `data`, from its minimums and inverse scales.
+template <typename In>
+void slab_codes(const Slab<In>& slab, Scratch<In>& s, const float* lof, const float* inv,
+                uint8_t* data) {
+  const Format& f = slab.f;
+  const int64_t H = f.H, D = f.D, P = f.code_bytes(), G = f.group, per_row = D / G;
+  const bool int8 = f.bits == 8, channel = f.channel(slab.kv);
+  const bool fast = !channel || all_at_most(inv, H * D, kFastInverse);
+  for (int64_t r = 0; r < f.B * H; ++r) {
+    const float* x = to_float<In>(slab.row(r, s), D, s.values.data());
+    uint8_t* q = data + r * P;
+    uint8_t* codes = int8 ? q : s.codes.data();
     if (channel) {
-      channel_ranges<In>(x, B, H * D, first, s);
-      int4_scales(s.lo.data(), s.hi.data(), H * D, scale, zero, s.lof.data(), s.inv.data());
-      fast = all_at_most(s.inv.data(), H * D, kFastInverse);
+      quant_int4_channel(x, D, lof + (r % H) * D, inv + (r % H) * D, fast, codes);
     } else {
-      const int64_t groups = B * H * per_row;
-      for (int64_t r = 0; r < B * H; ++r)
-        for (int64_t g = 0; g < per_row; ++g)
-          group_range<In>(row_of(r) + g * G, G, int8, r * per_row + g, s);
-      keys_to_float<In>(s.kmax.data(), groups, s.hi.data());
-      if (int8) {
-        int8_scales(s.hi.data(), groups, scale, s.inv.data());
-      } else {
-        keys_to_float<In>(s.kmin.data(), groups, s.lo.data());
-        int4_scales(s.lo.data(), s.hi.data(), groups, scale, zero, s.lof.data(), s.inv.data());
+      for (int64_t g = 0; g < per_row; ++g) {
+        const int64_t i = r * per_row + g;
+        if (int8) quant_int8(x + g * G, G, inv[i], reinterpret_cast<int8_t*>(q) + g * G);
+        else quant_int4(x + g * G, G, lof[i], inv[i], codes + g * G);
       }
     }
-    for (int64_t r = 0; r < B * H; ++r) {
-      const float* xf = to_float<In>(row_of(r), D, s.values.data());
-      uint8_t* q = data + r * P;
-      uint8_t* codes = int8 ? q : s.codes.data();
-      if (channel) {
-        const int64_t h = r % H;
-        quant_int4_channel(xf, D, &s.lof[h * D], &s.inv[h * D], fast, codes);
-      } else {
-        for (int64_t g = 0; g < per_row; ++g) {
-          const int64_t i = r * per_row + g;
-          if (int8) quant_int8(xf + g * G, G, s.inv[i], reinterpret_cast<int8_t*>(q) + g * G);
-          else quant_int4(xf + g * G, G, s.lof[i], s.inv[i], codes + g * G);
-        }
-      }
-      if (!int8) pack(codes, D / 2, q);
-    }
+    if (!int8) pack(codes, D / 2, q);
   }
 }
 
-// Every element of k and v (n each) finite? Checked on the bits before anything is written
-// (NaN or Inf refuse the whole write): the largest magnitude is below the all-ones exponent.
-template <typename In>
-bool all_finite(const typename In::T* k, const typename In::T* v, int64_t n) {
-  using T = typename In::T;
-  const T inf = In::store(INFINITY);
-  std::atomic<bool> ok{true};
-  at::parallel_for(0, 2 * n, 1 << 16, [&](int64_t begin, int64_t end) {
-    T largest = 0;
-    for (int64_t i = begin; i < std::min(end, n); ++i)
-      largest = std::max(largest, magnitude<In>(k[i]));
-    for (int64_t i = std::max(begin, n); i < end; ++i)
-      largest = std::max(largest, magnitude<In>(v[i - n]));
-    if (largest >= inf) ok = false;
-  });
-  return ok;
-}
-
+// K, V [L, n x B, H, D] -> rows of blocks `ids`, in two passes over the (block, layer) slabs:
+// all ranges (and the per-token scales, a group's worth of values each), then, only if every
+// value was finite, the rows: nothing is written for KV with a NaN or Inf. Per-channel scales,
+// one per B values, are computed in the second pass from the ranges again.
 bool encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& ids,
             const at::Tensor& plain, const at::Tensor& sink, c10::IntArrayRef format) {
   const Format f(format);
   const Rows rows(plain, sink, ids);
-  const int64_t n = ids.numel(), per_block = f.B * f.H * f.D;
+  const int64_t n = ids.numel(), per_block = f.B * f.H * f.D, items = n * f.L;
   const int64_t* id = ids.data_ptr<int64_t>();
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.numel() == f.L * n * per_block &&
               v.scalar_type() == k.scalar_type() && v.numel() == k.numel(),
               "quant kernel: bad K/V inputs");
-  bool finite = true;
+  bool ok = true;
   dispatch(dtype_code(k), [&](auto in_type) {
     using In = decltype(in_type);
     const auto* ki = static_cast<const typename In::T*>(k.data_ptr());
     const auto* vi = static_cast<const typename In::T*>(v.data_ptr());
-    finite = all_finite<In>(ki, vi, k.numel());
-    if (!finite) return;
-    at::parallel_for(0, n * f.L, 1, [&](int64_t begin, int64_t end) {
-      Scratch<In> scratch(f);
+    auto slab = [&](int64_t item, int kv) {  // item = block position x L + layer
+      const int64_t b = item / f.L, l = item % f.L, at = (l * n + b) * per_block;
+      return Slab<In>{f, (kv ? vi : ki) + at, kv, rows.is_sink(id[b]) ? f.sinks : 0};
+    };
+    auto kept = [&](int kv) { return f.channel(kv) ? 0 : slab(0, kv).scales(); };
+    const int64_t nk = kept(0), per_item = nk + kept(1);
+    std::vector<uint16_t> scale(items * per_item), zero(items * per_item);
+    std::vector<float> lof(items * per_item), inv(items * per_item);
+    auto at = [&](int64_t item, int kv) { return item * per_item + (kv ? nk : 0); };
+    std::atomic<bool> finite_all{true};
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      Scratch<In> s(f);
+      for (int64_t i = begin; i < end && finite_all; ++i)
+        for (int kv = 0; kv < 2; ++kv) {
+          const Slab<In> sl = slab(i, kv);
+          if (!slab_ranges<In>(sl, s)) finite_all = false;
+          else if (!f.channel(kv))
+            range_scales<In>(sl, s, &scale[at(i, kv)], &zero[at(i, kv)], &lof[at(i, kv)],
+                             &inv[at(i, kv)]);
+        }
+    });
+    ok = finite_all;
+    if (!ok) return;
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      Scratch<In> s(f);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / f.L, l = i % f.L, at = (l * n + b) * per_block;
-        encode_block<In>(f, ki + at, vi + at, rows.row(id[b]), rows.is_sink(id[b]), l, scratch);
+        const int64_t b = i / f.L, l = i % f.L;
+        uint8_t* row = rows.row(id[b]);
+        for (int kv = 0; kv < 2; ++kv) {
+          const Slab<In> sl = slab(i, kv);
+          uint16_t* scales = halfs(row, f.scale[kv]) + f.scales_at(kv, l);
+          uint16_t* zeros = halfs(row, f.zero[kv]) + f.scales_at(kv, l);
+          const float *lo = &lof[at(i, kv)], *in = &inv[at(i, kv)];
+          if (f.channel(kv)) {
+            slab_ranges<In>(sl, s);
+            range_scales<In>(sl, s, scales, zeros, s.lof.data(), s.inv.data());
+            lo = s.lof.data(), in = s.inv.data();
+          } else {
+            std::copy_n(&scale[at(i, kv)], sl.scales(), scales);
+            if (f.bits == 4) std::copy_n(&zero[at(i, kv)], sl.scales(), zeros);
+          }
+          if (sl.first) {  // the sink tokens, exactly
+            uint8_t* exact = row + f.quant_bytes;
+            const int64_t m = sl.first * f.H * f.D, base = (l * 2 + kv) * m;
+            dispatch(f.model, [&](auto model) {
+              using M = decltype(model);
+              for (int64_t e = 0; e < m; ++e)
+                store_at<M>(exact, base + e, M::store(In::load(sl.x[e])));
+            });
+          }
+          slab_codes<In>(sl, s, lo, in, row + f.data + (l * 2 + kv) * f.B * f.H * f.code_bytes());
+        }
       }
     });
   });
-  return finite;
+  return ok;
 }
 
 }  // namespace
