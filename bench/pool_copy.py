@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -166,6 +167,8 @@ def fmt_size(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM unwinds like an exception, so each pool's `with` unlinks its shared memory
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--blocks", type=int, default=256, help="blocks gathered per call")

@@ -108,3 +108,23 @@ def test_swa_capacity_rows(tmp_path):
     assert row["verified_blocks"] > 0 and row["integrity"] == "ok/ok"
     assert row["conversations"] == 6 and row["conversations_ratio"] > 1
     assert row["hit_rate_windowed"] > row["hit_rate_all_full"]
+
+
+def test_pool_copy_leaves_no_shared_memory_on_sigterm():
+    import os
+    import signal
+    import time
+
+    def ours() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"rkvbench-{proc.pid}-")}
+
+    proc = subprocess.Popen([sys.executable, str(BENCH / "pool_copy.py"), "--blocks", "64",
+                             "--repeat", "50"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ours() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert ours(), "the bench never created its pool"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert not ours()
