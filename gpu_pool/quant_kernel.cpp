@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__) && defined(__AVX__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -92,11 +92,18 @@ int64_t dtype_code(const at::Tensor& t) {
   }
 }
 
-// n values <-> fp32. A row of fp32 is used in place.
+// n values <-> fp32 (fp16 with the CPU's conversion instructions where it has them: the same
+// rounding). A row of fp32 is used in place.
 template <typename E>
 const float* to_float(const typename E::T* __restrict x, int64_t n, float* __restrict out) {
   if constexpr (std::is_same_v<E, F32>) return reinterpret_cast<const float*>(x);
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<E, F16>)
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(x + i))));
+#endif
 #if defined(__F16C__) && defined(__AVX__)
   if constexpr (std::is_same_v<E, F16>)
     for (; i + 8 <= n; i += 8)
@@ -110,6 +117,13 @@ const float* to_float(const typename E::T* __restrict x, int64_t n, float* __res
 template <typename E>
 void from_float(const float* __restrict x, int64_t n, typename E::T* __restrict out) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<E, F16>)
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(x + i),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
 #if defined(__F16C__) && defined(__AVX__)
   if constexpr (std::is_same_v<E, F16>)
     for (; i + 8 <= n; i += 8)
