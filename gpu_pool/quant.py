@@ -20,8 +20,8 @@ of every sequence) is a quantized block followed by a `sink` segment: its first 
 tokens [layers, 2, sink_tokens, kv_heads, head_dim] in the model dtype, bit-exact. Those tokens
 are zero in the quantized part, so they do not widen the per-channel key ranges.
 
-On the CPU, `gather` and `scatter` run the fused kernel of gpu_pool/quant_kernel.cpp (one pass
-per block and layer, byte for byte these ops' results); the torch ops below are its reference and
+On the CPU, `gather` and `scatter` run the fused kernel of gpu_pool/quant_kernel.cpp (loops over
+blocks x layers, byte for byte these ops' results); the torch ops below are its reference and
 the path everywhere else (CUDA, RADIXKV_NO_KERNEL=1, no compiler). There, `gather` reads whole
 block rows with one index_select per region, then dequantizes all blocks in one batch of tensor
 ops; `scatter` quantizes in one batch and writes rows with one index_copy_ per region. Nothing
