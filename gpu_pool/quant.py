@@ -20,8 +20,8 @@ of every sequence) is a quantized block followed by a `sink` segment: its first 
 tokens [layers, 2, sink_tokens, kv_heads, head_dim] in the model dtype, bit-exact. Those tokens
 are zero in the quantized part, so they do not widen the per-channel key ranges.
 
-On the CPU, `gather` and `scatter` run the fused kernel of gpu_pool/quant_kernel.cpp (one pass
-per block and layer, byte for byte these ops' results); the torch ops below are its reference and
+On the CPU, `gather` and `scatter` run the fused kernel of gpu_pool/quant_kernel.cpp (loops over
+blocks x layers, byte for byte these ops' results); the torch ops below are its reference and
 the path everywhere else (CUDA, RADIXKV_NO_KERNEL=1, no compiler). There, `gather` reads whole
 block rows with one index_select per region, then dequantizes all blocks in one batch of tensor
 ops; `scatter` quantizes in one batch and writes rows with one index_copy_ per region. Nothing
@@ -34,7 +34,6 @@ where the group falls in torch's vector loops, and the bytes must not.
 from __future__ import annotations
 
 import array
-import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -273,21 +272,6 @@ def _decode_rows(layout: KVLayout, rows: torch.Tensor, num_sink: int, k: torch.T
 
 # ---- gather / scatter against a pool ------------------------------------------------------
 
-@functools.lru_cache(maxsize=64)
-def _kernel_format(layout: KVLayout) -> tuple[int, ...]:
-    """The layout as quant_kernel.cpp's Format reads it: geometry, codec, segment offsets."""
-    offsets = {}
-    offset = 0
-    for name, shape, itemsize in layout.segments():
-        offsets[name] = offset
-        offset += itemsize * math.prod(shape)
-    return (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim,
-            8 if layout.dtype == "int8" else 4, layout.group, int(layout.key_scales == "channel"),
-            layout.sink_tokens, quant_kernel.DTYPE_CODES[layout.model_dtype],
-            layout.bytes_per_block, offsets["data"], offsets["k_scale"], offsets.get("k_zero", 0),
-            offsets["v_scale"], offsets.get("v_zero", 0))
-
-
 def _ids(block_ids: Sequence[int], num_blocks: int) -> tuple[array.array[int], torch.Tensor]:
     """`block_ids` as int64s, checked to lie in 0..num_blocks-1, and as a CPU tensor sharing
     their buffer (keep the array alive while the tensor is used). C loops: a request's ids in
@@ -346,7 +330,7 @@ def gather(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids:
                     f"contiguous float tensor {shape} on {dev} (k and v of one dtype)")
     kernel = quant_kernel.usable(plain, k.dtype)
     if kernel is not None:
-        kernel.decode(plain, sink, id_tensor, k, v, _kernel_format(layout))
+        kernel.decode(plain, sink, id_tensor, k, v, quant_kernel.format_of(layout))
         return k, v
     sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])
     if not sink_pos:  # the common case: one index_select, one fused op per part
@@ -387,7 +371,7 @@ def scatter(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids
     k, v = k.to(dev).contiguous(), v.to(dev).contiguous()
     kernel = quant_kernel.usable(plain, k.dtype) if k.dtype == v.dtype else None
     if kernel is not None:  # checks every value before it writes any
-        if not kernel.encode(k, v, id_tensor, plain, sink, _kernel_format(layout)):
+        if not kernel.encode(k, v, id_tensor, plain, sink, quant_kernel.format_of(layout)):
             raise InvalidArgument(NON_FINITE)
         return
     sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])

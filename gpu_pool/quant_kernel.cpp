@@ -7,8 +7,8 @@
 // loaded by gpu_pool/quant_kernel.py.
 //
 // The loops are plain C++ that the compiler vectorizes: fp16 / bf16 conversions are written
-// branch-free (as c10::Half does them; F16C instructions where the CPU has them), and ranges
-// are integer min / max over the values' bits.
+// branch-free (as c10::Half does them; F16C / AVX-512 instructions where the CPU has them), and
+// ranges are integer min / max over the values' bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__) && defined(__AVX__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -92,11 +92,18 @@ int64_t dtype_code(const at::Tensor& t) {
   }
 }
 
-// n values <-> fp32. A row of fp32 is used in place.
+// n values <-> fp32 (fp16 with the CPU's conversion instructions where it has them: the same
+// rounding). A row of fp32 is used in place.
 template <typename E>
 const float* to_float(const typename E::T* __restrict x, int64_t n, float* __restrict out) {
   if constexpr (std::is_same_v<E, F32>) return reinterpret_cast<const float*>(x);
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<E, F16>)
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(x + i))));
+#endif
 #if defined(__F16C__) && defined(__AVX__)
   if constexpr (std::is_same_v<E, F16>)
     for (; i + 8 <= n; i += 8)
@@ -110,6 +117,13 @@ const float* to_float(const typename E::T* __restrict x, int64_t n, float* __res
 template <typename E>
 void from_float(const float* __restrict x, int64_t n, typename E::T* __restrict out) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<E, F16>)
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(x + i),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
 #if defined(__F16C__) && defined(__AVX__)
   if constexpr (std::is_same_v<E, F16>)
     for (; i + 8 <= n; i += 8)
@@ -133,8 +147,8 @@ void store_at(uint8_t* p, int64_t i, typename E::T x) {
 }
 
 // Sign-magnitude bits as a signed integer that orders finite values as numbers (-0 just below
-// +0), and back (the same map): min / max of keys vectorize, of floats not (their NaN and
-// signed-zero rules). The magnitude bits order |x| the same way.
+// +0; the same map turns a key back into bits): min / max of keys vectorize, of floats not
+// (their NaN and signed-zero rules). The magnitude bits order |x| the same way.
 template <typename E>
 typename E::Key order_key(typename E::T x) {
   using Key = typename E::Key;
@@ -142,17 +156,11 @@ typename E::Key order_key(typename E::T x) {
   return Key(i ^ ((i >> (8 * sizeof(Key) - 1)) & std::numeric_limits<Key>::max()));
 }
 template <typename E>
-float from_key(typename E::Key k) {
-  using Key = typename E::Key;
-  return E::load(typename E::T(k ^ ((k >> (8 * sizeof(Key) - 1)) &
-                                    std::numeric_limits<Key>::max())));
-}
-template <typename E>
 typename E::T magnitude(typename E::T x) {
   return typename E::T(x & (std::numeric_limits<typename E::T>::max() >> 1));
 }
 
-// The layout, as gpu_pool/quant.py's _kernel_format lists it.
+// The layout, as gpu_pool/quant_kernel.py's format_of lists it.
 struct Format {
   int64_t L, B, H, D, bits, group, key_channel, sinks, model, quant_bytes;
   int64_t data, scale[2], zero[2];  // byte offsets in a row; [0] keys, [1] values

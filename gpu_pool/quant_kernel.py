@@ -13,8 +13,10 @@ building at once (the second waits, then loads). Loading registers torch.ops.rad
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -23,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gpu_pool.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +81,21 @@ def usable(t: torch.Tensor, dtype: torch.dtype) -> Any | None:
     if t.device.type != "cpu" or dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return None
     return ops()
+
+
+@functools.lru_cache(maxsize=64)
+def format_of(layout: KVLayout) -> tuple[int, ...]:
+    """The layout as quant_kernel.cpp's Format reads it: geometry, codec, segment offsets."""
+    offsets = {}
+    offset = 0
+    for name, shape, itemsize in layout.segments():
+        offsets[name] = offset
+        offset += itemsize * math.prod(shape)
+    return (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim,
+            8 if layout.dtype == "int8" else 4, layout.group, int(layout.key_scales == "channel"),
+            layout.sink_tokens, DTYPE_CODES[layout.model_dtype], layout.bytes_per_block,
+            offsets["data"], offsets["k_scale"], offsets.get("k_zero", 0), offsets["v_scale"],
+            offsets.get("v_zero", 0))
 
 
 def _reason(e: Exception) -> str:

@@ -22,7 +22,7 @@ def run(*args: str) -> str:
     ("token_encoding.py", "--sizes", "64", "--repeat", "3", "--json"),
     ("pool_copy.py", "--blocks", "4", "--repeat", "1", "--json"),
     ("pool_copy.py", "--blocks", "2", "--repeat", "1", "--model-dtype", "bf16", "--json"),
-])
+], ids=["token_encoding", "pool_copy", "pool_copy_bf16"])
 def test_bench_prints_json(args):
     json.loads(run(str(BENCH / args[0]), *args[1:]))
 
