@@ -9,12 +9,16 @@ a tree snapshot (DumpTree).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument
 from radixkv.index.tree import BlockRemoved, BlockStored, TreeEvent, WindowStored
@@ -37,24 +41,54 @@ class KVEvent:
     window_ids: tuple[int, ...] = ()  # window_*: the window parts of block_ids' positions
 
 
-def _hash(parent: bytes, tokens: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(parent + tokens, digest_size=8).digest()
+_P = 0x9E3779B97F4A7C15  # odd, so invertible mod 2**64: the chain's multiplier
+_MASK = (1 << 64) - 1
+_powers: list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = []
+
+
+@functools.cache
+def _position_keys(block_size: int) -> npt.NDArray[np.uint64]:
+    """A fixed random odd 64-bit multiplier per position of a block (the same in every
+    process: a seeded generator)."""
+    keys = np.random.default_rng(0x7261646978).integers(0, 1 << 63, block_size, np.uint64)
+    return keys * np.uint64(2) + np.uint64(1)
+
+
+def _chain_powers(n: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """(P**i, P**-i) mod 2**64 for i = 1..m, m >= n (grown by doubling, kept)."""
+    if not _powers or len(_powers[0][0]) < n:
+        size = 1 << max(n - 1, 255).bit_length()
+        _powers[:] = [(np.cumprod(np.full(size, _P, np.uint64), dtype=np.uint64),
+                       np.cumprod(np.full(size, pow(_P, -1, 1 << 64), np.uint64),
+                                  dtype=np.uint64))]
+    return _powers[0]
 
 
 def chain_hashes(namespace: str, tokens: bytes | memoryview, block_size: int,
                  parent_hash: int | None = None) -> list[int]:
     """The chained 64-bit hash of each full block of `tokens` (little-endian uint32 bytes)
-    following the block whose hash is `parent_hash` (None: at the root): the same numbers
-    BlockStored events carry, so a router can hash a prompt and look its blocks up."""
-    h = (hashlib.blake2b(namespace.encode(), digest_size=8).digest() if parent_hash is None
-         else parent_hash.to_bytes(8, "little"))
-    run = block_bytes(block_size)
-    view = memoryview(tokens)
-    hashes = []
-    for start in range(0, len(view) - run + 1, run):
-        h = _hash(h, view[start:start + run])
-        hashes.append(int.from_bytes(h, "little"))
-    return hashes
+    following the block whose hash is `parent_hash` (None: at the root, the namespace's
+    salt): the same numbers BlockStored events carry, so a router can hash a prompt and look
+    its blocks up.
+
+    Block i's content is c_i = sum_k token_k * K_k mod 2**64 (K: odd per-position keys), and
+    the chain h_i = h_(i-1) * P + c_i mod 2**64, which numpy computes for every block at once
+    as P**i * (h_0 + sum_(j<=i) c_j * P**-j): one pass, whatever the number of blocks. These
+    are routing keys, not a digest: a collision costs a routing choice, never a wrong KV
+    block (the tree matches tokens)."""
+    n = len(tokens) // block_bytes(block_size)
+    if not n:
+        return []
+    h0 = (int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
+          if parent_hash is None else parent_hash & _MASK)
+    up, down = _chain_powers(n)
+    content = np.frombuffer(tokens, "<u4", n * block_size).reshape(n, block_size) @ \
+        _position_keys(block_size)
+    content *= down[:n]
+    acc = content.cumsum()
+    acc += np.uint64(h0)
+    acc *= up[:n]
+    return acc.tolist()  # type: ignore[no-any-return]
 
 
 class EventLog:

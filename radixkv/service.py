@@ -232,7 +232,7 @@ class KVService:
         self._namespaces: dict[str, _Namespace] = {}
         self._leases: dict[int, _Lease] = {}
         self._expired: OrderedDict[int, None] = OrderedDict()
-        self._lease_of_block: dict[int, int] = {}
+        self._num_leased = 0  # blocks allocated to leases, not yet inserted or freed
         self._leases_of_owner: dict[str, int] = {}
         self._retired = _Counters()  # lifetime counters of namespaces already dropped
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
@@ -319,9 +319,7 @@ class KVService:
         lease = self._leases[m.lease_id]
         ids = tuple(self.pool.alloc(want, sinks=sinks))
         wids = tuple(self.pool.alloc_window(windows)) if windows else ()
-        for b in ids + wids:
-            lease.owned[b] = None
-            self._lease_of_block[b] = lease.lease_id
+        self._lease_blocks(lease, ids + wids)
         if need:  # aligned to the stored range's last blocks, HOLE where none
             aligned = [HOLE] * (end - need[0])
             for i, w in zip(need, wids, strict=True):
@@ -330,7 +328,7 @@ class KVService:
         if isinstance(m, WindowLeaseMatch):
             return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted,
                                        new_window_ids=wids)
-        return dataclasses.replace(m, new_block_ids=ids, num_evicted=num_evicted)
+        return LeaseMatch(m.lease_id, m.num_tokens, m.block_ids, m.epoch, ids, num_evicted)
 
     def _window_plan(self, m: LeaseMatch, tokens: bytes, end: int, full_end: int) -> list[int]:
         """Which of blocks [d, end) a request resumed at d should store window parts of: its
@@ -389,9 +387,7 @@ class KVService:
                 lease = self._open_lease(owner, ns, ttl)
             ids = self.pool.alloc(num_blocks, sinks=int(starts_sequence)) if num_blocks else []
             wids = self.pool.alloc_window(windows) if windows else []
-            for b in ids + wids:
-                lease.owned[b] = None
-                self._lease_of_block[b] = lease.lease_id
+            self._lease_blocks(lease, ids + wids)
             return Allocation(lease.lease_id, tuple(ids), num_evicted, self.pool.epoch,
                               tuple(wids))
 
@@ -514,7 +510,7 @@ class KVService:
                 event_sequence=self.events.last_sequence,
                 num_blocks=self.pool.num_full_blocks,
                 free_blocks=self.pool.num_free,
-                leased_blocks=len(self._lease_of_block),
+                leased_blocks=self._num_leased,
                 cached_blocks=cached,
                 pinned_blocks=pinned,
                 live_leases=len(self._leases),
@@ -563,14 +559,13 @@ class KVService:
             for ns in self._namespaces.values():
                 ns.tree.check_integrity()
             leased = sum(len(lease.owned) for lease in self._leases.values())
-            if leased != len(self._lease_of_block):
-                raise IntegrityError(f"leases own {leased} blocks, the block index holds "
-                                     f"{len(self._lease_of_block)}")
-            for lease in self._leases.values():
-                for b in lease.owned:
-                    if self._lease_of_block.get(b) != lease.lease_id:
-                        raise IntegrityError(f"block {b} of lease {lease.lease_id} is indexed "
-                                             f"to lease {self._lease_of_block.get(b)}")
+            if leased != self._num_leased:
+                raise IntegrityError(f"leases own {leased} blocks, the leased count says "
+                                     f"{self._num_leased}")
+            owners = Counter(b for lease in self._leases.values() for b in lease.owned)
+            if owners and max(owners.values()) > 1:
+                b = owners.most_common(1)[0][0]
+                raise IntegrityError(f"block {b} is leased to {owners[b]} leases")
             cached = sum(ns.tree.num_cached_blocks for ns in self._namespaces.values())
             cached += self._cached_windows()  # window parts: ids of the same pool
             free = self.pool.num_free + self.pool.num_free_window
@@ -638,11 +633,11 @@ class KVService:
                     raise InvalidArgument(f"id {w} is not a window part of this pool")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidArgument("block ids repeat within one insert")
-        for b in block_ids:
-            if not 0 <= b < self.pool.num_full_blocks:
-                raise InvalidArgument(f"block id {b} is out of range (pool has "
-                                      f"{self.pool.num_full_blocks} blocks"
-                                      + (", then window parts)" if self.window_blocks else ")"))
+        full = self.pool.num_full_blocks
+        if block_ids and not (0 <= min(block_ids) and max(block_ids) < full):
+            b = next(b for b in block_ids if not 0 <= b < full)
+            raise InvalidArgument(f"block id {b} is out of range (pool has {full} blocks"
+                                  + (", then window parts)" if self.window_blocks else ")"))
         if self.pool.num_sink_blocks and block_ids and not self.pool.is_sink(block_ids[0]):
             raise InvalidArgument(
                 f"block {block_ids[0]} holds position 0 but is not a sink block: this pool "
@@ -674,7 +669,7 @@ class KVService:
         if b in lease.owned:
             claimed.add(b)
             return
-        if b in self._lease_of_block:
+        if any(b in other.owned for other in self._leases.values()):
             raise PermissionDenied(f"{what} {b} is leased to another lease, not {lease.lease_id}")
         if self.pool.is_free(b):
             raise PermissionDenied(f"{what} {b} is not allocated to lease {lease.lease_id}")
@@ -715,9 +710,9 @@ class KVService:
             result = ns.tree.insert(tokens, block_ids, hint, window_ids=window_ids)
         else:
             result = ns.tree.insert(tokens, block_ids, hint)
-        for b in result.adopted + result.duplicates:  # no longer the lease's
-            del lease.owned[b]
-            del self._lease_of_block[b]
+        gone = result.adopted + result.duplicates  # no longer the lease's
+        deque(map(lease.owned.pop, gone), 0)
+        self._num_leased -= len(gone)
         if result.duplicates:
             self.pool.free(list(result.duplicates))
         if pin:  # what was inserted, for the rest of the lease: the engine may still read it
@@ -793,6 +788,11 @@ class KVService:
     def _touch(self, lease: _Lease) -> None:
         lease.expires_at = self._clock() + lease.ttl_s
 
+    def _lease_blocks(self, lease: _Lease, ids: Sequence[int]) -> None:
+        """Blocks (or window parts) just allocated now belong to `lease`."""
+        lease.owned.update(dict.fromkeys(ids))
+        self._num_leased += len(ids)
+
     def _end_lease(self, lease: _Lease, expired: bool = False, hint: int = NO_HINT) -> int:
         ns = self._namespaces[lease.namespace]
         if hint != NO_HINT and lease.handles:  # the last handle pins the deepest path
@@ -800,8 +800,7 @@ class KVService:
         for handle in lease.handles:
             ns.tree.unlock(handle)
         freed = list(lease.owned)
-        for b in freed:
-            del self._lease_of_block[b]
+        self._num_leased -= len(freed)
         if freed:
             self.pool.free(freed)
         del self._leases[lease.lease_id]
@@ -872,7 +871,7 @@ class KVService:
         if evictable < need:
             raise OutOfBlocks(
                 f"asked {num_blocks} blocks: {self.pool.num_free} free, {evictable} evictable, "
-                f"{len(self._lease_of_block)} leased, "
+                f"{self._num_leased} leased, "
                 f"{sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())} pinned "
                 f"(pool {self.pool.num_full_blocks})")
         evicted = 0
