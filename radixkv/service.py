@@ -881,10 +881,10 @@ class KVService:
             ns = self._namespaces[keyed[0][1]]
             if len(keyed) == 1:
                 freed = ns.tree.evict(need - evicted)
-            else:  # take the oldest tree's blocks while they stay older than the runner-up's
-                freed = []
+            else:  # the oldest tree's victims while they stay older than the runner-up's
+                freed = []  # (a leaf at a time: its blocks share one key)
                 while evicted + len(freed) < need:
-                    freed += ns.tree.evict(1)
+                    freed += ns.tree.evict(need - evicted - len(freed), max_leaves=1)
                     key = ns.tree.next_victim_key()
                     if key is None or key > keyed[1][0]:
                         break

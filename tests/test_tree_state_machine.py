@@ -192,6 +192,29 @@ class TreeMachine(RuleBasedStateMachine):
         assert self.tree.evict(num_blocks) == expected
         self.free_ids += expected
 
+    @precondition(lambda self: self.policy != "adaptive")
+    @rule(num_blocks=st.integers(1, 12))
+    def evict_one_leaf(self, num_blocks: int) -> None:
+        """max_leaves=1 trims only the first victim: a prefix of what evict() would free,
+        from one edge (its blocks share the victim's key), and at least one block if any."""
+        model, expected = dict(self.model), []
+        while len(expected) < num_blocks:
+            leaves = [p for p, e in model.items()
+                      if e.locks == 0 and not any(p + (c,) in model for c in BLOCK_TOKENS)]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda p: self.victim_key(model[p]))
+            expected.append((model.pop(victim).block_id, victim))
+        got = self.tree.evict(num_blocks, max_leaves=1)
+        assert got == [b for b, _ in expected[:len(got)]]
+        assert bool(got) == bool(expected)
+        where = {e.block_id: p for p, e in self.model.items()}
+        keys = {self.victim_key(self.model[where[b]]) for b in got}
+        assert len(keys) <= 1, f"one leaf's blocks share one key, got {keys}"
+        for b in got:
+            del self.model[where[b]]
+        self.free_ids += got
+
     # -- invariants ------------------------------------------------------------------------
 
     @invariant()

@@ -426,15 +426,19 @@ class RadixTree:
                 parent.hint = code  # not a leaf: not in the policy
                 parent = parent.parent
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, max_leaves: int | None = None) -> list[int]:
         """Free up to `num_blocks` unlocked blocks, tail-first from the leaf the policy picks; a
         node left without blocks goes, and its parent may become a leaf. Returns the freed ids in
-        eviction order (fewer when not enough are unlocked)."""
+        eviction order (fewer when not enough are unlocked). `max_leaves`: trim at most that
+        many leaves (one: only the victim `next_victim_key` describes, whose blocks share its
+        key)."""
         if num_blocks < 0:
             raise InvalidArgument(f"num_blocks must be >= 0, got {num_blocks}")
         freed: list[int] = []
         policy, held, bb = self._policy, self._cached, self._block_bytes
-        while len(freed) < num_blocks and len(policy):
+        leaves = -1 if max_leaves is None else max_leaves  # -1: no limit
+        while len(freed) < num_blocks and len(policy) and leaves:
+            leaves -= 1
             node = policy.pop()
             keep = max(0, len(node.block_ids) - (num_blocks - len(freed)))
             policy.evicted(node, keep)

@@ -189,11 +189,11 @@ class WindowedRadixTree(RadixTree):
             self._events.append(WindowStored(tuple(stored_full), tuple(stored_win)))
         return InsertResult(tuple(adopted), tuple(duplicates), result.num_cached_tokens)
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, max_leaves: int | None = None) -> list[int]:
         """RadixTree.evict (full parts, from the policy's leaves); the trimmed blocks' window
         parts go too and follow the full parts in the returned ids (the BlockRemoved event
         covers both parts)."""
-        freed = super().evict(num_blocks)
+        freed = super().evict(num_blocks, max_leaves)
         gone, self._gone = self._gone, []
         return freed + [w for _, w in gone]  # their BlockRemoved says both parts went
 

@@ -113,12 +113,13 @@ class Metrics:
                                      registry=self.registry, buckets=RPC_BUCKETS)
         self.rpc_errors = Counter("radixkv_rpc_errors", "Unary RPCs that failed, by status code",
                                   ["method", "code"], registry=self.registry)
-        for method in UNARY_METHODS:  # every series exists from the start, at zero
-            self.rpc_seconds.labels(method)
+        # every series exists from the start, at zero; children kept (labels() costs ~3 us)
+        self._rpc_seconds = {method: self.rpc_seconds.labels(method) for method in UNARY_METHODS}
         self._http: Any = None
 
     def observe_rpc(self, method: str, seconds: float, code: str) -> None:
-        self.rpc_seconds.labels(method).observe(seconds)
+        child = self._rpc_seconds.get(method)
+        (child or self.rpc_seconds.labels(method)).observe(seconds)
         if code != "OK":
             self.rpc_errors.labels(method, code).inc()
 
