@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, summary_line  # noqa: E402
 
 from gpu_pool.layout import KVLayout, parse_bytes  # noqa: E402
-from gpu_pool.sizing import fit_blocks, fit_window_blocks  # noqa: E402
+from gpu_pool.sizing import default_window_fraction, fit_blocks, fit_window_blocks  # noqa: E402
 from radixkv.replay.cluster import ReplayWindow  # noqa: E402
 from radixkv.replay.runner import MOONCAKE_BLOCK_SIZE, run_replay  # noqa: E402
 from radixkv.replay.workload import iter_trace  # noqa: E402
@@ -41,18 +41,10 @@ TRACE = REPO.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jso
 LAYOUTS = "gpt-oss-like,gemma-3-like,mistral-7b-v0.1"
 
 
-def window_fraction_for(layout: KVLayout, tokens: int) -> float:
-    """The window parts' share of one cached `tokens`-token conversation (1 if all-windowed)."""
-    if not layout.full_layers:
-        return 1.0
-    total = layout.conversation_bytes(tokens)
-    return (total - layout.conversation_blocks(tokens) * layout.full_bytes_per_block) / total
-
-
 def row(name: str, trace: str, memory: int, limit: int | None, clients: int,
         policy: str, fraction: float | None, mean_tokens: int) -> dict[str, Any]:
     layout = KVLayout.from_preset(name, None, MOONCAKE_BLOCK_SIZE)
-    f = window_fraction_for(layout, mean_tokens) if fraction is None else fraction
+    f = default_window_fraction(layout, mean_tokens) if fraction is None else fraction
     full, windows = fit_window_blocks(layout, memory, f)
     all_full = fit_blocks(layout.with_window(None), memory, 0.0)
     common = dict(block_size=MOONCAKE_BLOCK_SIZE, clients=clients, policy=policy, limit=limit,

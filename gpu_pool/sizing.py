@@ -80,18 +80,18 @@ WINDOW_SIZING_TOKENS = 4096
 IDS_PER_WINDOW_PART = 16
 
 
-def default_window_fraction(layout: KVLayout) -> float:
+def default_window_fraction(layout: KVLayout, tokens: int = WINDOW_SIZING_TOKENS) -> float:
     """The share of a windowed pool's memory that goes to window parts by default: the window
-    parts' share of what one cached WINDOW_SIZING_TOKENS-token conversation holds
-    (`layout.conversation_bytes`). gemma-3-like (W 1,024, 5:1, block 16): 64 window blocks of
-    40 layers against 256 full blocks of 8, 0.556; gpt-oss-like (W 128, alternate): 0.030;
-    all-windowed: 1.0. InvalidArgument without a window."""
+    parts' share of what one cached `tokens`-token conversation holds (default
+    WINDOW_SIZING_TOKENS; `layout.conversation_bytes`). gemma-3-like (W 1,024, 5:1, block 16):
+    64 window blocks of 40 layers against 256 full blocks of 8, 0.556; gpt-oss-like (W 128,
+    alternate): 0.030; all-windowed: 1.0. InvalidArgument without a window."""
     if not layout.is_windowed:
         raise InvalidArgument(f"{layout!r} has no sliding window: its pool has no window parts")
     if not layout.full_layers:
         return 1.0
-    total = layout.conversation_bytes(WINDOW_SIZING_TOKENS)
-    full = layout.conversation_blocks(WINDOW_SIZING_TOKENS) * layout.full_bytes_per_block
+    total = layout.conversation_bytes(tokens)
+    full = layout.conversation_blocks(tokens) * layout.full_bytes_per_block
     return (total - full) / total
 
 

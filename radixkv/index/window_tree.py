@@ -205,7 +205,7 @@ class WindowedRadixTree(RadixTree):
         freed_full: list[int] = []
         freed: list[int] = []
         skipped = []
-        heap, wb = self._windows, self.window_blocks
+        heap = self._windows
         while len(freed) < num_windows and heap:
             entry = heapq.heappop(heap)
             tick, _, _, n = entry
@@ -214,9 +214,8 @@ class WindowedRadixTree(RadixTree):
                 continue
             if not n.block_ids or n.parent.children.get(n.tokens[:self._block_bytes]) is not n:
                 continue  # evicted
-            start = n.depth - len(n.block_ids)
-            upto = min(len(n.block_ids), n.min_leaf - wb - start)  # blocks [0, upto) unprotected
-            if n.lock_count or upto <= 0:
+            upto = self._unprotected(n)
+            if upto <= 0:
                 if any(w != HOLE for w in n.window_ids):
                     skipped.append(entry)
                 continue
@@ -245,11 +244,17 @@ class WindowedRadixTree(RadixTree):
         while stack:
             n: Any = stack.pop()
             stack.extend(n.children.values())
-            if not n.lock_count:
-                upto = min(len(n.block_ids), n.min_leaf - self.window_blocks
-                           - (n.depth - len(n.block_ids)))
-                total += sum(1 for w in n.window_ids[:max(0, upto)] if w != HOLE)
+            total += sum(1 for w in n.window_ids[:max(0, self._unprotected(n))] if w != HOLE)
         return total
+
+    def _unprotected(self, n: Any) -> int:
+        """How many of node n's blocks, from its first, may lose their window parts: none
+        while it is locked; else those before the last window_blocks blocks of its shallowest
+        leaf (every leaf's tail window stays resumable)."""
+        if n.lock_count:
+            return 0
+        return int(min(len(n.block_ids), n.min_leaf - self.window_blocks
+                       - (n.depth - len(n.block_ids))))
 
     # -- internals --------------------------------------------------------------------------
 
