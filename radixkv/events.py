@@ -54,6 +54,12 @@ def _position_keys(block_size: int) -> npt.NDArray[np.uint64]:
     return keys * np.uint64(2) + np.uint64(1)
 
 
+@functools.lru_cache(maxsize=4096)
+def _salt(namespace: str) -> int:
+    """A namespace's chain start (the hash "before" its first block)."""
+    return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
+
+
 def _chain_powers(n: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     """(P**i, P**-i) mod 2**64 for i = 1..m, m >= n (grown by doubling, kept)."""
     if not _powers or len(_powers[0][0]) < n:
@@ -79,8 +85,7 @@ def chain_hashes(namespace: str, tokens: bytes | memoryview, block_size: int,
     n = len(tokens) // block_bytes(block_size)
     if not n:
         return []
-    h0 = (int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
-          if parent_hash is None else parent_hash & _MASK)
+    h0 = _salt(namespace) if parent_hash is None else parent_hash & _MASK
     up, down = _chain_powers(n)
     content = np.frombuffer(tokens, "<u4", n * block_size).reshape(n, block_size) @ \
         _position_keys(block_size)
@@ -93,7 +98,15 @@ def chain_hashes(namespace: str, tokens: bytes | memoryview, block_size: int,
 
 class EventLog:
     """Publishes tree events with consecutive sequence numbers (starting at 1) and keeps the
-    last `capacity` of them for resuming subscribers. Thread-safe."""
+    last `capacity` of them for resuming subscribers. Thread-safe.
+
+    Block hashes are computed in batches, not per call: `publish` queues the tree's events with
+    their sequence numbers, and they are hashed (in order: a block's hash needs its parent's)
+    when a reader asks, or once HASH_BATCH are queued. One numpy pass then hashes every queued
+    block, where a call of its own would pay numpy's fixed cost (~12 us warm, ~150 us with the
+    CPU caches cold) on the request path."""
+
+    HASH_BATCH = 64  # queued events that trigger hashing without a reader
 
     def __init__(self, block_size: int, capacity: int = 65536) -> None:
         if capacity < 1:
@@ -101,6 +114,7 @@ class EventLog:
         self.block_size = block_size
         self.capacity = capacity
         self._buffer: deque[KVEvent] = deque(maxlen=capacity)
+        self._queued: list[tuple[int, str, float, TreeEvent | None]] = []  # None: cleared
         self._last = 0
         self._cond = threading.Condition()
         self._hash_of: dict[str, dict[int, int]] = {}  # namespace -> block id -> hash
@@ -111,39 +125,60 @@ class EventLog:
 
     def publish(self, namespace: str, events: Iterable[TreeEvent]) -> None:
         with self._cond:
+            now = time.time()
             for ev in events:
-                self._append(namespace, ev)
+                self._last += 1
+                self._queued.append((self._last, namespace, now, ev))
+            if len(self._queued) >= min(self.HASH_BATCH, self.capacity):
+                self._hash_queued()
             self._cond.notify_all()
 
     def publish_cleared(self, namespace: str) -> None:
         """AllBlocksCleared for one namespace: its block hashes are forgotten."""
         with self._cond:
             self._last += 1
-            self._buffer.append(KVEvent(self._last, namespace, time.time(), "cleared"))
-            self._hash_of.pop(namespace, None)
+            self._queued.append((self._last, namespace, time.time(), None))
             self._cond.notify_all()
 
-    def _append(self, namespace: str, ev: TreeEvent) -> None:
-        self._last += 1
-        now = time.time()
-        known = self._hash_of.setdefault(namespace, {})
-        if isinstance(ev, BlockStored):
-            parent_hash = None if ev.parent_block_id is None else known[ev.parent_block_id]
-            run = block_bytes(self.block_size)
-            hashes = chain_hashes(namespace, memoryview(ev.tokens)[:len(ev.block_ids) * run],
-                                  self.block_size, parent_hash)
-            known.update(zip(ev.block_ids, hashes, strict=True))
-            self._buffer.append(KVEvent(self._last, namespace, now, "stored", ev.block_ids,
-                                        ev.parent_block_id, ev.tokens, tuple(hashes), parent_hash))
-        elif isinstance(ev, BlockRemoved):
-            pop = known.pop
-            self._buffer.append(KVEvent(self._last, namespace, now, "removed", ev.block_ids,
-                                        block_hashes=tuple(map(pop, ev.block_ids))))
-        else:  # a window part came or went; the positions (full parts) stay
-            kind = "window_stored" if isinstance(ev, WindowStored) else "window_removed"
-            self._buffer.append(KVEvent(self._last, namespace, now, kind, ev.block_ids,
-                                        block_hashes=tuple(map(known.__getitem__, ev.block_ids)),
-                                        window_ids=ev.window_ids))
+    def _hash_queued(self) -> None:
+        """Turn the queued tree events into KVEvents in the buffer, hashing their blocks: every
+        stored block's content in one numpy pass, then each chain from its parent's hash."""
+        queued, self._queued = self._queued, []
+        bs, run = self.block_size, block_bytes(self.block_size)
+        stored = [ev.tokens[:len(ev.block_ids) * run] for *_, ev in queued
+                  if isinstance(ev, BlockStored)]
+        contents: list[int] = []
+        if stored:
+            rows = np.frombuffer(b"".join(stored), "<u4").reshape(-1, bs)
+            contents = (rows @ _position_keys(bs)).tolist()
+        at = 0
+        for sequence, namespace, when, ev in queued:
+            if ev is None:
+                self._hash_of.pop(namespace, None)
+                self._buffer.append(KVEvent(sequence, namespace, when, "cleared"))
+                continue
+            known = self._hash_of.setdefault(namespace, {})
+            if isinstance(ev, BlockStored):
+                parent_hash = None if ev.parent_block_id is None else known[ev.parent_block_id]
+                h = _salt(namespace) if parent_hash is None else parent_hash
+                hashes = []
+                for c in contents[at:at + len(ev.block_ids)]:
+                    h = (h * _P + c) & _MASK
+                    hashes.append(h)
+                at += len(ev.block_ids)
+                known.update(zip(ev.block_ids, hashes, strict=True))
+                self._buffer.append(KVEvent(sequence, namespace, when, "stored", ev.block_ids,
+                                            ev.parent_block_id, ev.tokens, tuple(hashes),
+                                            parent_hash))
+            elif isinstance(ev, BlockRemoved):
+                self._buffer.append(KVEvent(sequence, namespace, when, "removed", ev.block_ids,
+                                            block_hashes=tuple(map(known.pop, ev.block_ids))))
+            else:  # a window part came or went; the positions (full parts) stay
+                kind = "window_stored" if isinstance(ev, WindowStored) else "window_removed"
+                self._buffer.append(KVEvent(sequence, namespace, when, kind, ev.block_ids,
+                                            block_hashes=tuple(map(known.__getitem__,
+                                                                   ev.block_ids)),
+                                            window_ids=ev.window_ids))
 
     def read(self, after: int, timeout: float | None = None,
              limit: int = MAX_BATCH) -> tuple[list[KVEvent], bool]:
@@ -154,6 +189,8 @@ class EventLog:
         with self._cond:
             if self._last <= after and timeout:
                 self._cond.wait_for(lambda: self._last > after, timeout)
+            if self._queued:
+                self._hash_queued()
             if not self._buffer or self._last <= after:
                 return [], False
             first = self._buffer[0].sequence

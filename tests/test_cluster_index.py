@@ -4,6 +4,8 @@ no etcd or servers."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixkv.cluster.etcd import EtcdTarget, prefix_end
 from radixkv.cluster.follower import snapshot_hashes
@@ -104,3 +106,40 @@ def test_prefix_end_and_records():
     for bad in ("", "a b", "x" * 129, "a/b"):
         with pytest.raises(InvalidArgument):
             check_node_id(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["a", "b"]),
+                                st.lists(st.integers(0, 2), min_size=1, max_size=5),
+                                st.integers(0, 3), st.booleans()), min_size=1, max_size=30),
+       batch=st.integers(1, 5), reads=st.lists(st.integers(0, 30), max_size=4))
+def test_batched_event_hashes_equal_chain_hashes(steps, batch, reads):
+    """The log hashes queued events in batches (every `batch` queued, and on each read); the
+    hashes are still each stored prompt's chain_hashes from its parent, and a removed block
+    carries the hash it was stored with, across namespaces, evictions and clears."""
+    trees = {ns: RadixTree(BS) for ns in "ab"}
+    log, next_id, got = EventLog(BS), 0, []
+    log.HASH_BATCH = batch
+    expect_stored: dict[tuple[str, int], int] = {}  # (ns, block) -> hash, from chain_hashes
+    for i, (ns, blocks, evict, clear) in enumerate(steps):
+        tokens = toks(*[t for b in blocks for t in (b, b, b, b)])
+        m = trees[ns].match(tokens)
+        ids = list(m.block_ids) + list(range(next_id, next_id + len(blocks) - len(m.block_ids)))
+        next_id += len(blocks)
+        trees[ns].insert(tokens, ids)
+        hashes = chain_hashes(ns, tokens, BS)
+        for b, h in zip(ids, hashes, strict=True):
+            expect_stored.setdefault((ns, b), h)
+        trees[ns].evict(evict)
+        log.publish(ns, trees[ns].take_events())
+        if clear and trees[ns].num_cached_blocks == 0:
+            log.publish_cleared(ns)
+        if i in reads:  # a reader in between hashes what is queued so far
+            events, _ = log.read(len(got))
+            got += events
+    events, lagged = log.read(len(got), limit=1 << 20)
+    got += events
+    assert not lagged and [ev.sequence for ev in got] == list(range(1, log.last_sequence + 1))
+    for ev in got:
+        if ev.kind in ("stored", "removed"):
+            assert ev.block_hashes == tuple(expect_stored[ev.namespace, b] for b in ev.block_ids)
