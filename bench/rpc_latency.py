@@ -13,6 +13,9 @@ Match p50/p99 unbatched, Allocate+Insert p50/p99, batched Match (--batch queries
 bytes as Match's reply, so the ratio isolates what the service itself costs. Cases that are
 compared run interleaved, round after round (--rounds), and each ratio is the median of the
 rounds' ratios: a shared machine's speed drifts by more than the differences measured here.
+Every server runs on --server-cpus (default: the last CPU), radixkv's with `serve --cpus`:
+a Python server is bound to about one core by its GIL, and its threads hopping between cores
+cost it ~25 % of its calls/s here; the clients go where the OS puts them.
 """
 
 from __future__ import annotations
@@ -46,14 +49,26 @@ TINY = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads":
 ECHO_METHOD = "/bench.Echo/Echo"
 _SEQ = itertools.count()  # per process: every cycle request's suffix is new
 ECHO_WORKERS = 2  # as many call threads as `radixkv serve` runs by default (a fair floor)
+CPUS_ENV = "RADIXKV_BENCH_SERVER_CPUS"  # how the floor servers learn --server-cpus
 
 
 # ---- the echo floor ------------------------------------------------------------------------
+
+def pin_from_env() -> None:
+    """Floor servers run on the CPUs the radixkv servers get (--server-cpus), if any."""
+    cpus = os.environ.get(CPUS_ENV)
+    if cpus:
+        from radixkv.server.app import pin_cpus
+
+        pin_cpus(cpus)
+
 
 def serve_floor(name: str, register, unix: str, tcp_port: int) -> None:  # type: ignore[no-untyped-def]
     """A floor server: `register(server)` adds its handlers; the same thread pool as the
     service's call threads, on the Unix socket and TCP; runs until SIGTERM."""
     import grpc
+
+    pin_from_env()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=ECHO_WORKERS), options=[
         ("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
@@ -108,6 +123,7 @@ def serve_aio_kv(unix: str, config_path: str, block_size: int, num_blocks: int) 
     from radixkv.service import KVService, ServiceConfig
     from radixkv.v1 import radixkv_pb2_grpc
 
+    pin_from_env()
     layout = KVLayout.from_hf_config(config_path, block_size=block_size)
     pool = create_pool(layout, num_blocks=num_blocks)
     sync = Servicer(KVService(pool, ServiceConfig(lease_ttl_s=600)), 1 << 20)
@@ -321,6 +337,12 @@ def allocate_insert(target: str, num_tokens: int, block_size: int, iters: int) -
 
 # ---- main --------------------------------------------------------------------------------------
 
+def default_server_cpus() -> str:
+    """The last CPU this process may use, or "none" on a single CPU (nothing to keep apart)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return str(cpus[-1]) if len(cpus) > 1 else "none"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt-tokens", type=int, default=2000)
@@ -334,6 +356,10 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32, help="queries per batched Match (32)")
     p.add_argument("--transports", default="unix,tcp")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-cpus", default=default_server_cpus(),
+                   help="CPUs every server of the bench runs on (radixkv `serve --cpus`, the "
+                   "floors alike; default: the last CPU, where there are two or more) or "
+                   "'none'; the clients go where the OS puts them")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"eviction policy of the radixkv servers ({DEFAULT_POLICY})")
     p.add_argument("--json", action="store_true")
@@ -354,12 +380,16 @@ def main() -> int:
         serve_aio_kv(args.aio_server[0], args.aio_server[1], args.block_size, 65536)
         return 0
 
+    pinned = [] if args.server_cpus == "none" else ["--cpus", args.server_cpus]
+    if pinned:
+        os.environ[CPUS_ENV] = args.server_cpus  # inherited by the floor servers
     tmp = tempfile.mkdtemp(prefix="rkvb-")
     cfg = os.path.join(tmp, "config.json")
     Path(cfg).write_text(json.dumps(TINY))
     procs = []
     results: dict[str, object] = {"prompt_tokens": args.prompt_tokens, "batch": args.batch,
-                                  "clients": args.clients, "replicas": args.replicas}
+                                  "clients": args.clients, "replicas": args.replicas,
+                                  "server_cpus": args.server_cpus}
 
     def launch(kind: str, i: int, argv: Callable[[str, int], list[str]],
                ready: str) -> tuple[str, int]:
@@ -373,7 +403,7 @@ def main() -> int:
             "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
             "65536", "--lease-ttl", "600", "--max-leases-per-client", "100000000",
-            "--policy", args.policy, "--log-level", "warning"], "radixkv serving")
+            "--policy", args.policy, "--log-level", "warning", *pinned], "radixkv serving")
             for i in range(args.replicas)]
         from radixkv.tokens import to_token_bytes
         from radixkv.v1 import radixkv_pb2 as pb
@@ -394,7 +424,7 @@ def main() -> int:
         cycle_servers = [launch("cycle", i, lambda sock, port: [
             "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
-            "65536", "--policy", args.policy, "--log-level", "warning"], "radixkv serving")
+            "65536", "--policy", args.policy, "--log-level", "warning", *pinned], "radixkv serving")
             for i in range(args.replicas)]
         shared = args.prompt_tokens // 2 // args.block_size * args.block_size
         cycle_prefix = prompt(args.seed + 7, shared)

@@ -366,3 +366,25 @@ def test_event_subscribers_do_not_starve_calls():
             stream.cancel()
         for c in subscribers:
             c.close()
+
+
+def test_serve_cpus_pins_every_thread_and_refuses_a_cpu_it_may_not_use():
+    """`serve --cpus N`: the server and every thread it started (grpc's included) run on CPU
+    N only, and it still serves; a CPU outside this process's set is refused at start."""
+    cpu = max(os.sched_getaffinity(0))
+    with running_server("--cpus", str(cpu)) as server:
+        pid = server.proc.pid
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 3  # grpc's and the service's threads, started after pinning
+        assert all(os.sched_getaffinity(int(t)) == {cpu} for t in threads)
+        with Client(server.socket) as kv:
+            m = kv.match("ns", [1, 2, 3, 4])
+            kv.release(m.lease_id)
+    bad = max(os.sched_getaffinity(0)) + 1
+    out = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--cpus", f"0,{bad}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and f"--cpus '0,{bad}'" in out.stderr
+    assert "may use CPUs" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--cpus", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "CPU numbers and ranges" in out.stderr
