@@ -41,9 +41,8 @@ class KVEvent:
     window_ids: tuple[int, ...] = ()  # window_*: the window parts of block_ids' positions
 
 
-_P = 0x9E3779B97F4A7C15  # odd, so invertible mod 2**64: the chain's multiplier
+_P = 0x9E3779B97F4A7C15  # the chain's multiplier (odd)
 _MASK = (1 << 64) - 1
-_powers: list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = []
 
 
 @functools.cache
@@ -60,14 +59,21 @@ def _salt(namespace: str) -> int:
     return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
 
 
-def _chain_powers(n: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    """(P**i, P**-i) mod 2**64 for i = 1..m, m >= n (grown by doubling, kept)."""
-    if not _powers or len(_powers[0][0]) < n:
-        size = 1 << max(n - 1, 255).bit_length()
-        _powers[:] = [(np.cumprod(np.full(size, _P, np.uint64), dtype=np.uint64),
-                       np.cumprod(np.full(size, pow(_P, -1, 1 << 64), np.uint64),
-                                  dtype=np.uint64))]
-    return _powers[0]
+def _contents(tokens: bytes, block_size: int) -> list[int]:
+    """Each whole block's content hash, sum_k token_k * K_k mod 2**64 (K: _position_keys), in
+    one numpy pass over however many blocks."""
+    n = len(tokens) // block_bytes(block_size)
+    rows = np.frombuffer(tokens, "<u4", n * block_size).reshape(n, block_size)
+    return (rows @ _position_keys(block_size)).tolist()  # type: ignore[no-any-return]
+
+
+def _chain(h: int, contents: list[int]) -> list[int]:
+    """h_i = h_(i-1) * P + c_i mod 2**64, from h_0 = h."""
+    out = []
+    for c in contents:
+        h = (h * _P + c) & _MASK
+        out.append(h)
+    return out
 
 
 def chain_hashes(namespace: str, tokens: bytes | memoryview, block_size: int,
@@ -75,25 +81,10 @@ def chain_hashes(namespace: str, tokens: bytes | memoryview, block_size: int,
     """The chained 64-bit hash of each full block of `tokens` (little-endian uint32 bytes)
     following the block whose hash is `parent_hash` (None: at the root, the namespace's
     salt): the same numbers BlockStored events carry, so a router can hash a prompt and look
-    its blocks up.
-
-    Block i's content is c_i = sum_k token_k * K_k mod 2**64 (K: odd per-position keys), and
-    the chain h_i = h_(i-1) * P + c_i mod 2**64, which numpy computes for every block at once
-    as P**i * (h_0 + sum_(j<=i) c_j * P**-j): one pass, whatever the number of blocks. These
-    are routing keys, not a digest: a collision costs a routing choice, never a wrong KV
-    block (the tree matches tokens)."""
-    n = len(tokens) // block_bytes(block_size)
-    if not n:
-        return []
-    h0 = _salt(namespace) if parent_hash is None else parent_hash & _MASK
-    up, down = _chain_powers(n)
-    content = np.frombuffer(tokens, "<u4", n * block_size).reshape(n, block_size) @ \
-        _position_keys(block_size)
-    content *= down[:n]
-    acc = content.cumsum()
-    acc += np.uint64(h0)
-    acc *= up[:n]
-    return acc.tolist()  # type: ignore[no-any-return]
+    its blocks up. Routing keys, not a digest: a collision costs a routing choice, never a
+    wrong KV block (the tree matches tokens)."""
+    h = _salt(namespace) if parent_hash is None else parent_hash & _MASK
+    return _chain(h, _contents(bytes(tokens), block_size))
 
 
 class EventLog:
@@ -144,13 +135,9 @@ class EventLog:
         """Turn the queued tree events into KVEvents in the buffer, hashing their blocks: every
         stored block's content in one numpy pass, then each chain from its parent's hash."""
         queued, self._queued = self._queued, []
-        bs, run = self.block_size, block_bytes(self.block_size)
-        stored = [ev.tokens[:len(ev.block_ids) * run] for *_, ev in queued
-                  if isinstance(ev, BlockStored)]
-        contents: list[int] = []
-        if stored:
-            rows = np.frombuffer(b"".join(stored), "<u4").reshape(-1, bs)
-            contents = (rows @ _position_keys(bs)).tolist()
+        run = block_bytes(self.block_size)
+        contents = _contents(b"".join(ev.tokens[:len(ev.block_ids) * run] for *_, ev in queued
+                                      if isinstance(ev, BlockStored)), self.block_size)
         at = 0
         for sequence, namespace, when, ev in queued:
             if ev is None:
@@ -160,11 +147,8 @@ class EventLog:
             known = self._hash_of.setdefault(namespace, {})
             if isinstance(ev, BlockStored):
                 parent_hash = None if ev.parent_block_id is None else known[ev.parent_block_id]
-                h = _salt(namespace) if parent_hash is None else parent_hash
-                hashes = []
-                for c in contents[at:at + len(ev.block_ids)]:
-                    h = (h * _P + c) & _MASK
-                    hashes.append(h)
+                hashes = _chain(_salt(namespace) if parent_hash is None else parent_hash,
+                                contents[at:at + len(ev.block_ids)])
                 at += len(ev.block_ids)
                 known.update(zip(ev.block_ids, hashes, strict=True))
                 self._buffer.append(KVEvent(sequence, namespace, when, "stored", ev.block_ids,
