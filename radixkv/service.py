@@ -232,7 +232,6 @@ class KVService:
         self._namespaces: dict[str, _Namespace] = {}
         self._leases: dict[int, _Lease] = {}
         self._expired: OrderedDict[int, None] = OrderedDict()
-        self._num_leased = 0  # blocks allocated to leases, not yet inserted or freed
         self._leases_of_owner: dict[str, int] = {}
         self._retired = _Counters()  # lifetime counters of namespaces already dropped
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
@@ -319,7 +318,7 @@ class KVService:
         lease = self._leases[m.lease_id]
         ids = tuple(self.pool.alloc(want, sinks=sinks))
         wids = tuple(self.pool.alloc_window(windows)) if windows else ()
-        self._lease_blocks(lease, ids + wids)
+        lease.owned.update(dict.fromkeys(ids + wids))
         if need:  # aligned to the stored range's last blocks, HOLE where none
             aligned = [HOLE] * (end - need[0])
             for i, w in zip(need, wids, strict=True):
@@ -387,7 +386,7 @@ class KVService:
                 lease = self._open_lease(owner, ns, ttl)
             ids = self.pool.alloc(num_blocks, sinks=int(starts_sequence)) if num_blocks else []
             wids = self.pool.alloc_window(windows) if windows else []
-            self._lease_blocks(lease, ids + wids)
+            lease.owned.update(dict.fromkeys(ids + wids))
             return Allocation(lease.lease_id, tuple(ids), num_evicted, self.pool.epoch,
                               tuple(wids))
 
@@ -510,7 +509,7 @@ class KVService:
                 event_sequence=self.events.last_sequence,
                 num_blocks=self.pool.num_full_blocks,
                 free_blocks=self.pool.num_free,
-                leased_blocks=self._num_leased,
+                leased_blocks=self._leased_blocks(),
                 cached_blocks=cached,
                 pinned_blocks=pinned,
                 live_leases=len(self._leases),
@@ -558,10 +557,7 @@ class KVService:
             self.pool.check_integrity()
             for ns in self._namespaces.values():
                 ns.tree.check_integrity()
-            leased = sum(len(lease.owned) for lease in self._leases.values())
-            if leased != self._num_leased:
-                raise IntegrityError(f"leases own {leased} blocks, the leased count says "
-                                     f"{self._num_leased}")
+            leased = self._leased_blocks()
             owners = Counter(b for lease in self._leases.values() for b in lease.owned)
             if owners and max(owners.values()) > 1:
                 b = owners.most_common(1)[0][0]
@@ -712,7 +708,6 @@ class KVService:
             result = ns.tree.insert(tokens, block_ids, hint)
         gone = result.adopted + result.duplicates  # no longer the lease's
         deque(map(lease.owned.pop, gone), 0)
-        self._num_leased -= len(gone)
         if result.duplicates:
             self.pool.free(list(result.duplicates))
         if pin:  # what was inserted, for the rest of the lease: the engine may still read it
@@ -788,10 +783,10 @@ class KVService:
     def _touch(self, lease: _Lease) -> None:
         lease.expires_at = self._clock() + lease.ttl_s
 
-    def _lease_blocks(self, lease: _Lease, ids: Sequence[int]) -> None:
-        """Blocks (or window parts) just allocated now belong to `lease`."""
-        lease.owned.update(dict.fromkeys(ids))
-        self._num_leased += len(ids)
+    def _leased_blocks(self) -> int:
+        """Blocks allocated to leases and not yet inserted or freed (for stats and messages:
+        O(live leases))."""
+        return sum(len(lease.owned) for lease in self._leases.values())
 
     def _end_lease(self, lease: _Lease, expired: bool = False, hint: int = NO_HINT) -> int:
         ns = self._namespaces[lease.namespace]
@@ -800,7 +795,6 @@ class KVService:
         for handle in lease.handles:
             ns.tree.unlock(handle)
         freed = list(lease.owned)
-        self._num_leased -= len(freed)
         if freed:
             self.pool.free(freed)
         del self._leases[lease.lease_id]
@@ -871,7 +865,7 @@ class KVService:
         if evictable < need:
             raise OutOfBlocks(
                 f"asked {num_blocks} blocks: {self.pool.num_free} free, {evictable} evictable, "
-                f"{self._num_leased} leased, "
+                f"{self._leased_blocks()} leased, "
                 f"{sum(ns.tree.num_locked_blocks for ns in self._namespaces.values())} pinned "
                 f"(pool {self.pool.num_full_blocks})")
         evicted = 0

@@ -246,10 +246,9 @@ def pin_cpus(spec: str) -> set[int]:
     if not cpus or not cpus <= allowed:
         raise InvalidArgument(f"--cpus {spec!r}: this process may use CPUs "
                               f"{','.join(map(str, sorted(allowed)))}")
-    for tid in os.listdir("/proc/self/task"):  # threads a library started at import, too
+    for tid in os.listdir("/proc/self/task"):  # this thread and any a library started
         with contextlib.suppress(ProcessLookupError):
             os.sched_setaffinity(int(tid), cpus)
-    os.sched_setaffinity(0, cpus)
     return cpus
 
 
