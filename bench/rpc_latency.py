@@ -144,8 +144,11 @@ def serve_aio_kv(unix: str, config_path: str, block_size: int, num_blocks: int) 
         radixkv_pb2_grpc.add_RadixKVServicer_to_server(servicer, server)
         server.add_insecure_port(f"unix://{unix}")
         await server.start()
+        stop = asyncio.Event()  # SIGTERM ends run(), so the pool below unlinks its memory
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         print("radixkv aio ready", flush=True)
-        await server.wait_for_termination()
+        await stop.wait()
+        await server.stop(0)
 
     try:
         asyncio.run(run())

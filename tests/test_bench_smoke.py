@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,9 @@ def test_tree_scale_reports_each_size():
 
 
 def test_rpc_latency_runs_every_case():
-    """The rpc bench end to end at its smallest: one round, one process of each server."""
+    """The rpc bench end to end at its smallest: one round, one process of each server; its
+    servers (the in-bench aio one holds a pool) leave no shared memory behind."""
+    before = set(os.listdir("/dev/shm"))
     report = json.loads(run(str(BENCH / "rpc_latency.py"), "--transports", "unix", "--rounds", "1",
                             "--seconds", "0.2", "--replicas", "1", "--clients", "2", "--json"))
     unix = report["unix"]
@@ -56,6 +59,7 @@ def test_rpc_latency_runs_every_case():
                                    "cycle_two_over_four_1", "cycle_two_over_four_n"}
     assert len(unix["match_n_over_echo_n_by_round"]) == 1 and unix["match_n"]["calls_per_s"] > 0
     assert report["aio_unix"]["match_1"]["p50_us"] > 0
+    assert set(os.listdir("/dev/shm")) <= before
 
 
 def test_ttft_and_accuracy_benches_on_the_real_model(smollm2):
