@@ -18,9 +18,10 @@ process, and reports the median match / insert p50 of each and their ratio (poli
 client-supplied knowledge, it reads the future).
 --eviction-sizes measures evict() cost per block at several tree sizes, in steady state
 (each new request first evicts what it needs) and one block per call.
---scale fills one tree with synthetic chats (no eviction) through each size in turn and there
-times match and insert on requests not yet seen (p50/p99), then fills it again under tracemalloc
-for the Python memory per cached block (token bytes, 4 per token, shown apart).
+--scale fills one tree per size with synthetic chats (no eviction), times match and insert on
+requests not yet seen (p50/p99), the sizes interleaved in rounds, then fills one tree through
+the sizes under tracemalloc for the Python memory per cached block (token bytes, 4 per token,
+shown apart).
 """
 
 from __future__ import annotations
@@ -112,37 +113,52 @@ def tree_memory() -> int:
     return sum(stat.size for stat in snapshot.statistics("filename"))
 
 
-def scale(args: argparse.Namespace, sizes: list[int], samples: int = 500) -> list[dict[str, Any]]:
-    """Match / insert latency and memory per cached block as one tree grows through `sizes`
-    (each size's `samples` probe requests are inserted too, so the tree grows a little)."""
-    rows = []
-    tree = RadixTree(args.block_size, args.policy, record_events=False)
-    reqs, next_id = synthetic_chats(args.seed), 0
+def scale(args: argparse.Namespace, sizes: list[int], samples: int = 500,
+          rounds: int = 10) -> list[dict[str, Any]]:
+    """Match / insert latency and memory per cached block at each of `sizes` cached blocks.
+
+    One tree per size, each filled from the same synthetic chats, then probed with new requests
+    (each inserted too, so the trees grow a little) in `rounds` interleaved rounds of
+    samples / rounds per tree, starting one tree later each round: a machine that speeds up or
+    slows down during the run biases no size. (Probed one size after the other, the 10M figure
+    came a minute after the 10k one, and their ratio swung from 0.8x to 2.2x between runs.)"""
+    trees = []
     for size in sizes:
+        tree = RadixTree(args.block_size, args.policy, record_events=False)
+        reqs = synthetic_chats(args.seed)
         t0 = time.perf_counter()
-        next_id = _fill(tree, reqs, size, next_id)
-        fill_s = time.perf_counter() - t0
-        bb = tree.block_size * 4
-        probe = [next(reqs).tokens for _ in range(samples)]
-        match_ns, insert_ns = [], []
-        for tokens in probe:
-            a = time.perf_counter_ns()
-            m = tree.match(tokens)
-            match_ns.append(time.perf_counter_ns() - a)
-            n = len(tokens) // bb
-            ids = m.block_ids + tuple(range(next_id, next_id + n - len(m.block_ids)))
-            next_id += n - len(m.block_ids)
-            a = time.perf_counter_ns()
-            tree.insert(tokens[: n * bb], ids)
-            insert_ns.append(time.perf_counter_ns() - a)
-        match_us, insert_us = np.asarray(match_ns) / 1e3, np.asarray(insert_ns) / 1e3
-        rows.append({"cached_blocks": size, "nodes": tree.stats().num_nodes, "fill_s": fill_s,
+        next_id = _fill(tree, reqs, size, 0)
+        trees.append([tree, reqs, next_id, time.perf_counter() - t0])
+        print(f"scale: {size:,} blocks filled in {trees[-1][3]:.1f} s", file=sys.stderr,
+              flush=True)
+    bb = args.block_size * 4
+    match_ns: list[list[int]] = [[] for _ in sizes]
+    insert_ns: list[list[int]] = [[] for _ in sizes]
+    for r in range(rounds):
+        for i in [*range(r % len(sizes), len(sizes)), *range(r % len(sizes))]:
+            tree, reqs, next_id, _ = trees[i]
+            for _ in range(samples // rounds):
+                tokens = next(reqs).tokens
+                a = time.perf_counter_ns()
+                m = tree.match(tokens)
+                match_ns[i].append(time.perf_counter_ns() - a)
+                n = len(tokens) // bb
+                ids = m.block_ids + tuple(range(next_id, next_id + n - len(m.block_ids)))
+                next_id += n - len(m.block_ids)
+                a = time.perf_counter_ns()
+                tree.insert(tokens[: n * bb], ids)
+                insert_ns[i].append(time.perf_counter_ns() - a)
+            trees[i][2] = next_id
+    rows = []
+    for i, size in enumerate(sizes):
+        match_us, insert_us = np.asarray(match_ns[i]) / 1e3, np.asarray(insert_ns[i]) / 1e3
+        rows.append({"cached_blocks": size, "nodes": trees[i][0].stats().num_nodes,
+                     "fill_s": trees[i][3],
                      "match_p50_us": float(np.percentile(match_us, 50)),
                      "match_p99_us": float(np.percentile(match_us, 99)),
                      "insert_p50_us": float(np.percentile(insert_us, 50)),
                      "insert_p99_us": float(np.percentile(insert_us, 99))})
-        print(f"scale: {size:,} blocks filled in {fill_s:.1f} s", file=sys.stderr, flush=True)
-    del tree
+    del trees, tree, reqs
     tracemalloc.start()
     tree = RadixTree(args.block_size, args.policy, record_events=False)
     reqs, next_id = synthetic_chats(args.seed), 0
