@@ -557,11 +557,11 @@ class KVService:
             self.pool.check_integrity()
             for ns in self._namespaces.values():
                 ns.tree.check_integrity()
-            leased = self._leased_blocks()
             owners = Counter(b for lease in self._leases.values() for b in lease.owned)
             if owners and max(owners.values()) > 1:
                 b = owners.most_common(1)[0][0]
                 raise IntegrityError(f"block {b} is leased to {owners[b]} leases")
+            leased = owners.total()  # each leased block counted once (checked just above)
             cached = sum(ns.tree.num_cached_blocks for ns in self._namespaces.values())
             cached += self._cached_windows()  # window parts: ids of the same pool
             free = self.pool.num_free + self.pool.num_free_window
