@@ -19,7 +19,6 @@ client's retention hint (`session_end`, `keep`) until its next hit. Nothing here
 from __future__ import annotations
 
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +126,7 @@ class _Node:
         node_id: int,
         parent: _Node | None,
         tokens: bytes,
-        block_ids: array[int],
+        block_ids: tuple[int, ...],
         depth: int,
         tick: int,
         now: float,
@@ -185,7 +184,7 @@ class RadixTree:
         )
         if len(self._policy):
             raise InvalidArgument("the eviction policy must start empty")
-        self._root = self._node_type(0, None, b"", array("I"), 0, 0, time.time())
+        self._root = self._node_type(0, None, b"", (), 0, 0, time.time())
         self._next_id = 1
         self._tick = 0
         self._clock = clock
@@ -344,19 +343,22 @@ class RadixTree:
             )
         if min(given) < 0:
             raise InvalidArgument(f"block ids must be >= 0, got {min(given)}")
-        if max(given) >= 2**32:
-            raise InvalidArgument(f"block ids must be < 2**32, got {max(given)}")
+        top = max(given)
+        if top >= 2**32:
+            raise InvalidArgument(f"block ids must be < 2**32, got {top}")
         node, k, cached = self._walk(key)
         m, held = len(cached), self._cached
-        if len(held) <= max(given):  # grow the bitmap geometrically
-            held.extend(bytes(max(max(given) + 1 - len(held), len(held))))
+        if len(held) <= top:  # grow the bitmap geometrically
+            held.extend(bytes(max(top + 1 - len(held), len(held))))
         duplicates = []
         if given[:m] != cached:
             duplicates = [g for g, c in zip(given, cached, strict=False) if g != c]
         new = given[m:]
-        if any(map(held.__getitem__, duplicates)) or any(map(held.__getitem__, new)):
-            i = next(i for i, g in enumerate(given) if held[g] and (i >= m or g != cached[i]))
-            raise InvalidArgument(f"block id {given[i]} (block {i}) is already cached elsewhere")
+        for b in (*duplicates, *new) if duplicates else new:
+            if held[b]:
+                i = next(i for i, g in enumerate(given) if held[g] and (i >= m or g != cached[i]))
+                raise InvalidArgument(
+                    f"block id {given[i]} (block {i}) is already cached elsewhere")
 
         if k < len(node.block_ids):
             node = self._split(node, k)
@@ -374,7 +376,7 @@ class RadixTree:
                 self._next_id,
                 node,
                 key[m * bb : num_blocks * bb],
-                array("I", new),
+                tuple(new),
                 node.depth + len(new),
                 tick,
                 now,
@@ -443,15 +445,14 @@ class RadixTree:
             keep = max(0, len(node.block_ids) - (num_blocks - len(freed)))
             policy.evicted(node, keep)
             self._trimming(node, keep)
-            gone = node.block_ids[keep:]
-            gone.reverse()
+            gone = node.block_ids[keep:][::-1]  # tail-first
             freed += gone
             for b in gone:
                 held[b] = 0
             self._num_cached -= len(gone)
             self._drop_depth(node.depth)
             if keep:
-                del node.block_ids[keep:]
+                node.block_ids = node.block_ids[:keep]
                 node.tokens = node.tokens[: keep * bb]
                 node.depth -= len(gone)
                 self._add_depth(node.depth)

@@ -59,8 +59,8 @@ class WindowMatch(MatchResult):
 class _WNode(_Node):
     __slots__ = ("window_ids", "min_leaf")
 
-    def __init__(self, node_id: int, parent: _Node | None, tokens: bytes, block_ids: array[int],
-                 depth: int, tick: int, now: float) -> None:
+    def __init__(self, node_id: int, parent: _Node | None, tokens: bytes,
+                 block_ids: tuple[int, ...], depth: int, tick: int, now: float) -> None:
         super().__init__(node_id, parent, tokens, block_ids, depth, tick, now)
         self.window_ids = array("I", [HOLE]) * len(block_ids)
         self.min_leaf = depth  # depth of the shallowest leaf in this subtree (itself if a leaf)
