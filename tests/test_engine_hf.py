@@ -103,6 +103,15 @@ def test_reused_kv_gives_the_logits_of_a_full_recompute(engine: Engine, referenc
     torch.testing.assert_close(got.logits_last, reference, atol=ATOL, rtol=0)
 
 
+def test_the_baseline_runs_without_autograd_like_the_cached_path(engine: Engine) -> None:
+    """Both prefills run under inference mode: a baseline that built an autograd graph would
+    time differently from the cached path (and hand out tensors that require grad)."""
+    tokens = make_tokens(40, seed=5)
+    for result in (engine.prefill_no_cache(tokens), engine.prefill(tokens)):
+        assert not result.logits_last.requires_grad
+        assert result.logits_last.is_inference()
+
+
 @pytest.mark.parametrize("length, expected_cached", [(48, 47), (50, 48)])
 def test_a_fully_cached_prompt_still_computes_its_last_token(engine: Engine, length: int,
                                                             expected_cached: int) -> None:
