@@ -45,11 +45,12 @@ def clock() -> Any:
 
 
 @pytest.fixture
-def svc(clock: Any) -> Any:
-    """An in-process KVService on an 8-block pool; its integrity is checked at teardown."""
+def svc(clock: Any, request: pytest.FixtureRequest) -> Any:
+    """An in-process KVService on an 8-block pool (indirect parametrization: ServiceConfig
+    fields); its integrity is checked at teardown."""
     from _kv import make_service
 
-    service = make_service(clock)
+    service = make_service(clock, **getattr(request, "param", {}))
     yield service
     service.check_integrity()
     service.pool.close()

@@ -48,6 +48,22 @@ def test_seen_twice_outlives_seen_once():
         tree.check_integrity()
 
 
+def test_a_pool_of_known_size_starts_with_an_even_split():
+    """Until ghost hits move it, T1 may hold half the pool: a stale hit leaf goes before a newer
+    seen-once one (as LRU would), instead of every seen-once leaf going first (p = 0)."""
+    policy = policy_factory("adaptive", capacity_blocks=4)("")
+    tree = RadixTree(1, policy)
+    assert policy.state.p == 2
+    put(tree, [1, 2])
+    hit(tree, [1, 2])  # A seen again: T2
+    put(tree, [3])  # B newer, seen once: T1 holds 1 block <= p
+    assert tree.evict(1) == [2]
+    for t in ([4], [5], [6]):
+        put(tree, t)  # T1 now holds 4 blocks > p: it gives the victims, oldest first
+    assert tree.evict(2) == [3, 4]
+    tree.check_integrity()
+
+
 def test_ghost_hit_promotes_and_moves_the_split():
     tree, policy = make_tree()
     put(tree, [10, 11])
@@ -151,7 +167,7 @@ def test_parse_hint():
 
 
 def test_victims_compare_across_namespaces():
-    factory = policy_factory("adaptive", capacity_blocks=16)
+    factory = policy_factory("adaptive", capacity_blocks=2)  # p starts at 1
     ticks = iter(range(1, 10**6))
     a = RadixTree(1, factory("a"), clock=lambda: next(ticks))
     b = RadixTree(1, factory("b"), clock=lambda: next(ticks))
@@ -159,7 +175,7 @@ def test_victims_compare_across_namespaces():
     hit(a, [1, 2])  # T2, older
     put(b, [1, 2])  # T1, newer; the same tokens, another namespace
     ka, kb = a.next_victim_key(), b.next_victim_key()
-    assert ka is not None and kb is not None and kb < ka  # T1 goes first (p = 0)
+    assert ka is not None and kb is not None and kb < ka  # T1 over p goes first
     put(b, [3], "session_end")
     kd = b.next_victim_key()
     assert kd is not None and kd[0] == DEAD and kd < ka
@@ -183,12 +199,12 @@ def test_service_evicts_seen_once_across_namespaces():
     try:
         from _kv import fill
 
-        fill(svc, "a", toks(*range(12)))  # 3 blocks
-        fill(svc, "a", toks(*range(12)))  # seen again: T2
-        fill(svc, "b", toks(*range(100, 112)))  # 3 blocks, seen once, newer
-        r = svc.allocate("e", None, "c", 4)  # 2 free: 2 evicted, from b (LRU would take a's)
-        assert svc.match("e", "a", toks(*range(12))).num_tokens == 12
-        assert svc.match("e", "b", toks(*range(100, 112))).num_tokens == 4
+        fill(svc, "a", toks(*range(8)))  # 2 blocks
+        fill(svc, "a", toks(*range(8)))  # seen again: T2
+        fill(svc, "b", toks(*range(100, 120)))  # 5 blocks, seen once, newer: T1 over p = 4
+        r = svc.allocate("e", None, "c", 3)  # 1 free: 2 evicted, from b (LRU would take a's)
+        assert svc.match("e", "a", toks(*range(8))).num_tokens == 8
+        assert svc.match("e", "b", toks(*range(100, 120))).num_tokens == 12
         svc.check_integrity()
         for lease in [r.lease_id, *svc._leases]:
             if lease in svc._leases:

@@ -31,6 +31,7 @@ def test_release_frees_uninserted_blocks(svc):
     assert svc.stats().free_blocks == 8
 
 
+@pytest.mark.parametrize("svc", [{"policy": "lru"}], indirect=True)
 def test_allocation_evicts_lru_leaf_tail_first(svc):
     fill(svc, "ns", toks(*range(12)))  # blocks 0 1 2
     fill(svc, "ns", toks(*range(100, 112)))  # blocks 3 4 5

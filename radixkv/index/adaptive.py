@@ -6,7 +6,8 @@
     B1, B2: ghosts  runs of blocks recently evicted from T1 / T2, by hash (bounded, counted)
 
 Within a list, the least recently touched leaf goes first. Which list gives the victim follows
-ARC: T1 while its blocks exceed the target `p`, else T2 (the other one when that is empty). A
+ARC: T1 while its blocks exceed the target `p`, else T2 (the other one when that is empty); `p`
+starts at half the pool when its size is known (at 0, as in ARC, when it is not). A
 new leaf whose first block is in a ghost list goes to T2 and moves `p`: a B1 hit means T1 was
 too small (p grows), a B2 hit that T2 was (p shrinks), each by the blocks re-inserted times the
 ratio of the ghost lists' sizes, as in ARC. A new leaf also goes to T2 when its request extends
@@ -54,7 +55,11 @@ class AdaptiveState:
 
     def __init__(self, capacity_blocks: int | None = None) -> None:
         self.capacity = capacity_blocks
-        self.p = 0.0  # target blocks in T1
+        # target blocks in T1. ARC starts it at 0 (evict seen-once leaves first until B1 ghost
+        # hits say otherwise); a pool of known size starts balanced instead: the ghosts of a
+        # cluster member, which sees a share of the traffic, take long to move p off 0, and
+        # meanwhile recent conversation tails went before stale hit leaves.
+        self.p = capacity_blocks / 2 if capacity_blocks else 0.0
         self.blocks = [0, 0, 0]  # blocks in evictable leaves per list (DEAD, ONCE, TWICE)
         self.total = 0  # sum(self.blocks)
         self.peak = 0  # most blocks the lists held at once (sizes the ghosts without capacity)
