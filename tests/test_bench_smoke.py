@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,42 @@ def test_pool_copy_leaves_no_shared_memory_on_sigterm():
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 128 + signal.SIGTERM
     assert not ours()
+
+
+def test_compare_runs_every_bench_on_two_worktrees_and_removes_them():
+    """bench/compare.py at smoke size, HEAD against HEAD: every headline bench gives its
+    figures on both sides (one round, so one ratio each), and the two worktrees, the servers'
+    shared memory and sockets are gone afterwards."""
+    repo = BENCH.parent
+
+    def worktrees() -> str:
+        return subprocess.run(["git", "-C", str(repo), "worktree", "list"], capture_output=True,
+                              text=True, check=True).stdout
+
+    before_trees, before_shm = worktrees(), set(os.listdir("/dev/shm"))
+    out = subprocess.run([sys.executable, str(BENCH / "compare.py"), "HEAD", "HEAD", "--smoke",
+                          "--rounds", "1", "--json"], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["failures"] == []
+    assert report["base_commit"] == report["head_commit"]
+    by_bench: dict[str, set[str]] = {}
+    for row in report["figures"]:
+        by_bench.setdefault(row["bench"], set()).add(row["figure"])
+        assert row["rounds"] == 1 and row["ratio"] == pytest.approx(row["head"] / row["base"])
+    assert by_bench["tree"] == {"requests_per_s", "match_p50_us", "insert_p50_us"}
+    assert by_bench["ttft"] == {"ratio_50"}
+    assert {"replay", "cluster", "rpc", "copy"} <= set(by_bench)
+    assert worktrees() == before_trees
+    # pools are named <prefix>-<owner pid>-<epoch>: one whose owner is gone was leaked (other
+    # processes on the machine may hold live ones)
+    new = (re.fullmatch(r"(radixkv|rkvbench)-(\d+)-\w+", n)
+           for n in set(os.listdir("/dev/shm")) - before_shm)
+    assert not [m[0] for m in new if m and not os.path.exists(f"/proc/{m[2]}")]
+
+
+def test_compare_refuses_what_is_not_a_commit():
+    out = subprocess.run([sys.executable, str(BENCH / "compare.py"), "no-such-rev", "--smoke"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not a commit here" in out.stderr
