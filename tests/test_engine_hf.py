@@ -78,6 +78,8 @@ def engine(model: Any, server: RunningServer, request: pytest.FixtureRequest) ->
 
 def assert_same_as_recompute(engine: Engine, tokens: list[int], got: PrefillResult) -> None:
     base = engine.prefill_no_cache(tokens)
+    # inference results: no autograd graph (a caller's float() of them would warn)
+    assert not got.logits_last.requires_grad and not base.logits_last.requires_grad
     torch.testing.assert_close(got.logits_last, base.logits_last, atol=ATOL, rtol=0)
     # the cache built from pool blocks + suffix holds the KV a full recompute holds
     for (k, v), (bk, bv) in zip(cache_layers(got.cache),

@@ -292,6 +292,7 @@ class Engine:
                 lease.release()
         return stored
 
+    @torch.inference_mode()
     def prefill_no_cache(self, tokens: Sequence[int], *,
                          return_hidden: bool = False) -> PrefillResult:
         """The baseline: the whole prompt through the model, no radixkv."""
