@@ -23,8 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool.errors import InvalidArgument
-from gpu_pool.sizing import _index
+from gpu_pool.errors import InvalidArgument, as_index
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +70,7 @@ def _block_ids(
         return ids
     values = list(block_ids)
     if not all(type(i) is int for i in values):  # numpy integers and the like, one by one
-        values = [_index(i, "block id") for i in values]
+        values = [as_index(i, "block id") for i in values]
     if check and values:
         lo, hi = min(values), max(values)  # C loops: a request's ~100 ids in a few us
         if lo < 0 or hi >= num_blocks:
@@ -141,7 +140,7 @@ def _rows(ids: torch.Tensor, layers: int, layer: int | None, parts: int) -> torc
 def _layer(layer: int | None, layers: int) -> int | None:
     if layer is None:
         return None
-    i = _index(layer, "layer")
+    i = as_index(layer, "layer")
     if not 0 <= i < layers:
         raise InvalidArgument(f"layer {i} out of range 0..{layers - 1}")
     return i
