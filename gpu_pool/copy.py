@@ -11,11 +11,10 @@ of such rows ("units"), and one indexed copy moves all rows of K, one more all r
 Python loop over blocks. Gather is torch.index_select, scatter index_copy_, on either device and
 on torch's own threads. Rows are reinterpreted as the widest word that divides them: complex128
 (16 bytes) down to uint8. A word is only moved, never computed on, so any dtype goes through
-bit-exact (NaN payloads included, tested), and a wide word halves the elements the element-wise
-CPU index_copy_ visits (measured at 64 KiB blocks: 0.91 of a memcpy with int64 words, 1.0 with
-16-byte ones). Rows of 32768 or more elements are split in equal parts, because ATen's CPU
-index_select copies rows below that size (its GRAIN_SIZE) with parallel memcpy, and larger rows
-one by one through a slower path.
+bit-exact (NaN payloads included, tested), and a wide word cuts the elements the element-wise
+CPU index_copy_ visits (docs/benchmarks.md has the copies against a memcpy). Rows of 32768 or
+more elements are split in equal parts, because ATen's CPU index_select copies rows below that
+size (its GRAIN_SIZE) with parallel memcpy, and larger rows one by one through a slower path.
 """
 
 from __future__ import annotations

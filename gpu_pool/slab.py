@@ -109,7 +109,7 @@ class Slab(ABC):
         axis is 0 long); the window parts are `window_view()`."""
         self._check_open()
         cached: torch.Tensor | None = self.__dict__.get("_view")
-        if cached is not None:  # built once: a request path asks several times (~70 us each)
+        if cached is not None:  # built once: a request path asks several times
             return cached
         view = self._typed(0, self.num_regular_blocks, self.codec)
         self.__dict__["_view"] = view
