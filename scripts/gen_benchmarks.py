@@ -163,6 +163,118 @@ def swa_capacity(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def token_encoding(r: list[dict[str, Any]]) -> list[str]:
+    out = ["Token ids on the wire: little-endian uint32 `bytes` (what the protocol uses) against "
+           "packed `repeated uint32`, in the protocol's own messages; the client builds and "
+           "serializes, the server parses into a numpy array. Medians.", ""]
+    out += table(["tokens", "wire bytes: bytes / packed", "build + serialize, us",
+                  "parse to numpy, us"],
+                 ([num(row["tokens"]), f"{num(row['bytes_wire'])} / {num(row['packed_wire'])}",
+                   f"{row['bytes_build_us']:.1f} vs {row['packed_build_us']:.1f}",
+                   f"{row['bytes_parse_us']:.1f} vs {row['packed_parse_us']:.1f}"]
+                  for row in r))
+    return out
+
+
+def tree_replay(r: dict[str, Any]) -> list[str]:
+    m, i, mem = r["match_us"], r["insert_us"], r["memory"]
+    out = [f"The radix tree alone (no service), {r['trace']} trace, {num(r['requests'])} requests, "
+           f"block size {r['block_size']}, {num(r['capacity_blocks'])} blocks, policy "
+           f"{r['policy']}.", ""]
+    out += table(["match p50 / p99", "insert p50 / p99", "requests / s", "token hit rate",
+                  "memory per cached block (token bytes apart)"],
+                 [[f"{m['p50']:.1f} / {m['p99']:.1f} us", f"{i['p50']:.1f} / {i['p99']:.1f} us",
+                   num(round(r["requests_per_s"])), pct(r["token_hit_rate"]),
+                   f"{mem['overhead_bytes_per_block']:.0f} B ({mem['token_bytes_per_block']:.0f}"
+                   " B of tokens)"]])
+    return out
+
+
+def policy_gap(r: dict[str, Any]) -> list[str]:
+    rows = r["rows"]
+    policies = list(dict.fromkeys(row["policy"] for row in rows))
+    cells = list(dict.fromkeys((row["trace"], row["capacity_blocks"]) for row in rows))
+    at = {(row["trace"], row["capacity_blocks"], row["policy"]): row for row in rows}
+    out = [f"Token hit rate of each eviction policy on the Mooncake traces, "
+           f"{r['block_size']}-token blocks; in brackets the share of the gap from LRU to the "
+           "Belady optimum each closes, "
+           "(policy - LRU) / (Belady - LRU). `adaptive+hints` sends the retention hint a client "
+           "that knew its session's future would send: it measures client-supplied knowledge. "
+           "The replay is deterministic.", ""]
+
+    def cell(trace: str, cap: int, policy: str) -> str:
+        row = at[(trace, cap, policy)]
+        if policy in ("lru", "belady"):
+            return pct(row["token_hit_rate"])
+        return f"{pct(row['token_hit_rate'])} ({pct(row['gap_closed'], 1)})"
+
+    out += table(["trace, capacity (blocks)", *policies],
+                 [[f"{Path(t).stem.removesuffix('_trace')}, {num(c)}",
+                   *(cell(t, c, p) for p in policies)] for t, c in cells])
+    out += ["", "Mean share of the gap closed over the cells: " + ", ".join(
+        f"{p} {pct(r['summary'][p]['mean_gap_closed'], 1)}" for p in policies) + "."]
+    return out
+
+
+def ttft(r: dict[str, Any]) -> list[str]:
+    out = [f"Time to first token of {num(r['prompt_tokens'])}-token prompts with and without "
+           f"radixkv, the `{r['model']}` model ({r['attn']} attention, {r['threads']} torch "
+           f"threads), median of {r['repeat']} back-to-back pairs per shared fraction; radixkv's "
+           "part (Match, read, store, Insert) apart.", ""]
+    out += table(["shared", "cached tokens", "TTFT no cache / radixkv", "ratio",
+                  "radixkv's part"],
+                 ([f"{row['shared_pct']} %", num(row["cached_tokens"]),
+                   f"{row['ttft_no_cache_ms']:,.0f} / {row['ttft_radixkv_ms']:,.0f} ms",
+                   f"{row['ratio']:.2f}", f"{row['radixkv_overhead_ms']:.1f} ms"]
+                  for row in r["rows"]))
+    return out
+
+
+RPC_CASES = {
+    "match_1": "Match, 1 client", "echo_1": "gRPC echo of the same bytes, 1 client",
+    "match_batched_1": "batched Match (queries a call: see above), 1 client",
+    "allocate_insert": "Allocate + Insert, 1 client",
+    "cycle_two_1": "request cycle, two round trips, 1 client",
+    "cycle_four_1": "request cycle, four round trips, 1 client",
+    "match_n": "Match, N clients", "echo_n": "gRPC echo, N clients",
+    "stub_n": "stub server (constant reply), N clients",
+    "cycle_two_n": "request cycle, two round trips, N clients",
+    "cycle_four_n": "request cycle, four round trips, N clients",
+}
+
+
+def rpc_latency(r: dict[str, Any]) -> list[str]:
+    transports = [t for t in ("unix", "tcp") if t in r]
+    out = [f"The service over gRPC against floors measured in the same run: {r['prompt_tokens']:,}"
+           f"-token prompts, N = {r['clients']} client processes, batches of {r['batch']} "
+           f"queries, servers on CPUs {r['server_cpus']}, {r['replicas']} server process(es) of "
+           "each kind, medians of interleaved rounds. A request cycle is Match (half the prompt "
+           "cached), the new blocks written, Insert and Release, evicting at steady state."]
+    for t in transports:
+        cases = r[t]
+        out += ["", f"{t}:", ""]
+        out += table(["case", "p50", "p99", "calls / s", "requests / s"],
+                     ([label, f"{c['p50_us']:,.0f} us", f"{c['p99_us']:,.0f} us",
+                       num(round(c["calls_per_s"])) if "calls_per_s" in c else "-",
+                       num(round(c["requests_per_s"])) if "requests_per_s" in c else "-"]
+                      for key, label in RPC_CASES.items() if (c := cases.get(key))))
+        q = cases["ratios"]
+        out += ["", f"Match p50 / echo p50 {q['match_p50_over_echo_p50']:.2f}x; Match / echo "
+                f"throughput with N clients {q['match_n_over_echo_n_throughput']:.2f} (the stub "
+                f"server's {q['stub_n_over_echo_n_throughput']:.2f}); batched / unbatched "
+                f"requests per second {q['batched_over_unbatched_requests_per_s']:.1f}x; two / "
+                f"four round trips {q['cycle_two_over_four_1']:.2f}x with 1 client, "
+                f"{q['cycle_two_over_four_n']:.2f}x with N."]
+    aio = [k for k in r if k.startswith("aio_")]
+    for key in aio:
+        t = key.removeprefix("aio_")
+        out += ["", f"The same servicer on `grpc.aio` ({t}): Match p50 "
+                f"{r[key]['match_1']['p50_us']:,.0f} us against {r[t]['match_1']['p50_us']:,.0f} "
+                f"us, {num(round(r[key]['match_n']['calls_per_s']))} against "
+                f"{num(round(r[t]['match_n']['calls_per_s']))} calls / s with N clients."]
+    return out
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -171,7 +283,12 @@ class Section:
 
 
 SECTIONS = (
+    Section("tree_replay", "The radix tree: match and insert", tree_replay),
+    Section("policy_gap", "Eviction policies against the Belady optimum", policy_gap),
+    Section("token_encoding", "Token ids on the wire", token_encoding),
+    Section("rpc_latency", "The service over gRPC", rpc_latency),
     Section("pool_copy", "Pool copies: plain and quantized gather / scatter", pool_copy),
+    Section("ttft", "Time to first token", ttft),
     Section("kv_accuracy", "KV through the pool: perplexity on SmolLM2-135M", kv_accuracy),
     Section("swa_capacity", "Sliding-window capacity: windowed-aware against all-full",
             swa_capacity),
