@@ -14,6 +14,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a `from ... import` in `package` reads."""
+    if not node.level:
+        return node.module or ""
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
 def imports_of(path: Path) -> set[str]:
     """Every module a file imports, at top level or inside functions (absolute names)."""
     package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
@@ -22,11 +30,7 @@ def imports_of(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                module = f"{base}.{node.module}" if node.module else base
-            else:
-                module = node.module or ""
+            module = from_module(node, package)
             names.add(module)
             names.update(f"{module}.{alias.name}" for alias in node.names)
     return names
@@ -128,11 +132,7 @@ def import_edges(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str
         if isinstance(node, ast.Import):
             edges.update(alias.name for alias in node.names if alias.name in known)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                module = f"{base}.{node.module}" if node.module else base
-            else:
-                module = node.module or ""
+            module = from_module(node, package)
             for alias in node.names:
                 if f"{module}.{alias.name}" in known:  # a submodule
                     edges.add(f"{module}.{alias.name}")
