@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from gpu_pool import create_pool, gather, scatter
-from gpu_pool.base import TORCH_DTYPES
+from gpu_pool.codecs import TORCH_DTYPES
 from gpu_pool.layout import KVLayout
 
 BLOCK_SIZES = [2, 8, 32, 128, 512]  # tokens: 16 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB blocks

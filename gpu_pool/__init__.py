@@ -5,23 +5,22 @@ service that owns it and the engines that attach it. Backends: `host` (POSIX sha
     pool = create_pool(layout, num_blocks=1024)        # owner (the service)
     handle = pool.export().to_dict()                   # JSON-safe, sent to engines
     mapping = attach(handle)                           # engine: same memory, zero-copy
-    k, v = gather(mapping.view(), block_ids)           # blocks -> engine-layout tensors
+    k, v = mapping.read(block_ids)                     # blocks -> engine-layout K/V
+    mapping.write(new_ids, k, v)                       # and back (every block format)
 
-The KV geometry (`layout.KVLayout`, the byte math), the pool's sizing (`sizing`) and the memory
-calculator (`calc`) live here too, with the pool's own errors (`errors`). This package imports
-nothing of `radixkv`. Importing it imports neither CuPy nor torch.
+Modules, lowest first: `errors`, `units`, `window` (the attention pattern), `models` (presets,
+Hugging Face configs), `layout` (`KVLayout`, the byte math), `sizing`, `calc` (the memory
+calculator), `copy` and `quant` (the kernels), `codecs` (block formats), `handle`, `slab`,
+`base` (owner and mapping), `host`, `cuda`, `factory` (`create_pool`, `attach`). `gather` and
+`scatter` copy plain blocks of a view directly. This package imports nothing of `radixkv`.
+Importing it imports neither CuPy nor torch.
 """
 
-from gpu_pool.base import (
-    BACKENDS,
-    BlockPool,
-    PoolHandle,
-    PoolMapping,
-    attach,
-    create_pool,
-)
+from gpu_pool.base import BlockPool, PoolMapping
 from gpu_pool.copy import gather, scatter
 from gpu_pool.errors import PoolError
+from gpu_pool.factory import attach, create_pool
+from gpu_pool.handle import BACKENDS, PoolHandle
 from gpu_pool.host import install_signal_cleanup, reclaim_stale_segments, unlink_owned_segments
 from gpu_pool.layout import KVLayout
 from gpu_pool.sizing import num_blocks_for, slab_shape, slab_strides

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpu_pool.layout import KVLayout, format_bytes
+from gpu_pool.layout import KVLayout
+from gpu_pool.units import format_bytes
 
 QUANT_SCHEMES = {
     "fp32": "-",

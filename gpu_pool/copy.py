@@ -11,11 +11,10 @@ of such rows ("units"), and one indexed copy moves all rows of K, one more all r
 Python loop over blocks. Gather is torch.index_select, scatter index_copy_, on either device and
 on torch's own threads. Rows are reinterpreted as the widest word that divides them: complex128
 (16 bytes) down to uint8. A word is only moved, never computed on, so any dtype goes through
-bit-exact (NaN payloads included, tested), and a wide word halves the elements the element-wise
-CPU index_copy_ visits (measured at 64 KiB blocks: 0.91 of a memcpy with int64 words, 1.0 with
-16-byte ones). Rows of 32768 or more elements are split in equal parts, because ATen's CPU
-index_select copies rows below that size (its GRAIN_SIZE) with parallel memcpy, and larger rows
-one by one through a slower path.
+bit-exact (NaN payloads included, tested), and a wide word cuts the elements the element-wise
+CPU index_copy_ visits (docs/benchmarks.md has the copies against a memcpy). Rows of 32768 or
+more elements are split in equal parts, because ATen's CPU index_select copies rows below that
+size (its GRAIN_SIZE) with parallel memcpy, and larger rows one by one through a slower path.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool.errors import InvalidArgument
-from gpu_pool.sizing import _index
+from gpu_pool.errors import InvalidArgument, as_index
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +69,7 @@ def _block_ids(
         return ids
     values = list(block_ids)
     if not all(type(i) is int for i in values):  # numpy integers and the like, one by one
-        values = [_index(i, "block id") for i in values]
+        values = [as_index(i, "block id") for i in values]
     if check and values:
         lo, hi = min(values), max(values)  # C loops: a request's ~100 ids in a few us
         if lo < 0 or hi >= num_blocks:
@@ -141,7 +139,7 @@ def _rows(ids: torch.Tensor, layers: int, layer: int | None, parts: int) -> torc
 def _layer(layer: int | None, layers: int) -> int | None:
     if layer is None:
         return None
-    i = _index(layer, "layer")
+    i = as_index(layer, "layer")
     if not 0 <= i < layers:
         raise InvalidArgument(f"layer {i} out of range 0..{layers - 1}")
     return i

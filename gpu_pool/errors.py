@@ -1,7 +1,10 @@
 """The pool's exceptions. `code` names the gRPC status a server answers with (by name: this layer
-imports no grpc); `radixkv.errors` builds its status table on `PoolError` and adds its own."""
+imports no grpc); `radixkv.errors` builds its status table on `PoolError` and adds its own.
+`as_index` checks the integer arguments every pool module takes (block ids, counts)."""
 
 from __future__ import annotations
+
+import operator
 
 
 class PoolError(Exception):
@@ -44,3 +47,14 @@ class IntegrityError(PoolError):
     """A broken invariant: the pool's (or the cache's) accounting is corrupt."""
 
     code = "DATA_LOSS"
+
+
+def as_index(value: object, what: str) -> int:
+    """An int-like argument (int, numpy integer) that is not a bool, else InvalidArgument
+    naming `what`."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{what} must be an integer, got {value!r}") from None

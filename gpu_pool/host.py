@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpu_pool.base import BlockPool, PoolHandle, PoolMapping, _Slab, pid_alive
+from gpu_pool.base import BlockPool, PoolMapping
 from gpu_pool.errors import (
     InvalidArgument,
     OutOfBlocks,
@@ -45,7 +45,10 @@ from gpu_pool.errors import (
     StalePool,
     Unavailable,
 )
-from gpu_pool.layout import KVLayout, format_bytes
+from gpu_pool.handle import PoolHandle, pid_alive
+from gpu_pool.layout import KVLayout
+from gpu_pool.slab import Slab
+from gpu_pool.units import format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily, on the first torch view
     import torch
@@ -207,7 +210,7 @@ class _Mapping:
         return True
 
 
-class _MappedBytes(_Slab):
+class _MappedBytes(Slab):
     """The byte views of a host slab, for the owner and for attaching processes alike."""
 
     _map: _Mapping

@@ -1,29 +1,31 @@
-"""The geometry of one model's KV cache and the memory calculator. Allocates nothing.
+"""The geometry of one model's KV cache cut into blocks (`KVLayout`) and its byte math.
+Allocates nothing. Where a geometry comes from (presets, a Hugging Face config): gpu_pool/models.py;
+byte units: gpu_pool/units.py (both re-exported here).
 
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
 LLaMA-3-70B (80 layers, 8 KV heads, head_dim 128, bf16): 2 x 80 x 8 x 128 x 2 = 327,680 B/token.
 
 Quantized dtypes (int8, int4) also store fp16 scales inside each block, and the byte math counts
-them segment by segment (`KVLayout.segments`; the codec is gpu_pool/quant.py):
+them segment by segment (`KVLayout.segments`; the codecs: gpu_pool/codecs.py):
   int8  symmetric, one scale per (token, kv_head, group of `group_size` elements; 0: the head)
   int4  asymmetric (scale + minimum), two values a byte; keys per channel over the block's tokens
         (`key_scales="channel"`, KIVI) or per token groups ("token"); values per token groups.
 `sink_tokens`: the first tokens of every sequence ("attention sinks") stay in `model_dtype`; they
 live in sink blocks, a region of the pool whose blocks carry them after the quantized part.
 
-Sliding-window attention (`sliding_window` W on `window_layers`; gpu_pool/window.py reads the
-pattern from a model config or a flag): a windowed layer needs only the KV of the last W - 1
-tokens before the resume point, ceil((W - 1) / block_size) blocks, while full layers need every
-block. Each layer is an equal share of a block (every segment has the layer as its first axis), so
-`full_bytes_per_block` + `window_bytes_per_block` = `bytes_per_block`; `conversation_bytes` counts
-a cached conversation both ways. A windowed pool stores the two kinds apart (gpu_pool/base.py):
-full parts and window parts, each laid out as a plain layout of its own layers (`full_part()`,
-`window_part()`), so the copy and quantization codecs work on either unchanged.
+Sliding-window attention (`sliding_window` W on `window_layers`, as a value `KVLayout.window`;
+gpu_pool/window.py reads the layers from a flag, gpu_pool/models.py from a model config): a
+windowed layer needs only the KV of the last W - 1 tokens before the resume point,
+ceil((W - 1) / block_size) blocks, while full layers need every block. Each layer is an equal
+share of a block (every segment has the layer as its first axis), so `full_bytes_per_block` +
+`window_bytes_per_block` = `bytes_per_block`; `conversation_bytes` counts a cached conversation
+both ways. A windowed pool stores the two kinds apart (gpu_pool/slab.py): full parts and window
+parts, each laid out as a plain layout of its own layers (`full_part()`, `window_part()`), so
+the block codecs work on either unchanged.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -31,12 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from gpu_pool.errors import InvalidArgument
-from gpu_pool.window import (
-    check_window,
-    format_window_layers,
-    parse_window_layers,
-    window_from_hf_config,
-)
+from gpu_pool.models import PRESET_MODELS, ModelGeometry, geometry_from_hf_config
+from gpu_pool.units import format_bytes, parse_bytes
+from gpu_pool.window import SlidingWindow, check_window, parse_window_layers
+
+__all__ = ["DTYPE_BITS", "KEY_SCALES", "MODEL_DTYPES", "PRESETS", "QUANTIZED", "SCALE_BYTES",
+           "SINK_TOKENS", "KVLayout", "format_bytes", "parse_bytes"]
 
 DTYPE_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 QUANTIZED = ("int8", "int4")
@@ -44,9 +46,6 @@ MODEL_DTYPES = ("fp32", "fp16", "bf16")
 KEY_SCALES = ("channel", "token")
 SCALE_BYTES = 2  # fp16 scales
 SINK_TOKENS = 4  # the serve default for quantized pools
-
-# Hugging Face `torch_dtype` / `dtype` strings -> our names.
-_HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,24 +98,11 @@ class KVLayout:
             raise InvalidArgument(f"sink tokens ({self.sink_tokens}) must be fewer than the "
                                   f"block size ({self.block_size}): they are the start of a "
                                   f"sequence's first block")
-        self._check_window()
-
-    def _check_window(self) -> None:
         if self.sliding_window is None:
             if self.window_layers:
                 raise InvalidArgument("KVLayout.window_layers without a sliding_window")
-            return
-        check_window(self.sliding_window)
-        layers = self.window_layers
-        if not isinstance(layers, tuple) or not layers:
-            raise InvalidArgument(f"a sliding window needs a non-empty tuple of windowed layers, "
-                                  f"got {layers!r}")
-        for i in layers:
-            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers:
-                raise InvalidArgument(f"window layer {i!r} is not one of the layers "
-                                      f"0-{self.num_layers - 1}")
-        if list(layers) != sorted(set(layers)):
-            raise InvalidArgument(f"window layers must be increasing and distinct: {layers}")
+        else:
+            SlidingWindow(self.sliding_window, self.window_layers, self.num_layers)  # checks
 
     def __repr__(self) -> str:
         """The dataclass repr; the window fields only when there is a window (the layers as
@@ -201,18 +187,24 @@ class KVLayout:
         return self.sliding_window is not None
 
     @property
+    def window(self) -> SlidingWindow | None:
+        """The attention pattern as a value; None: full attention on every layer."""
+        if self.sliding_window is None:
+            return None
+        return SlidingWindow(self.sliding_window, self.window_layers, self.num_layers)
+
+    @property
     def window_pattern(self) -> str:
         """The windowed layers as a --window-layers spec ("all", "alternate", "5:1", "0-3,8");
         "" without a window."""
-        if not self.window_layers:
-            return ""
-        return format_window_layers(self.window_layers, self.num_layers)
+        window = self.window
+        return window.pattern if window is not None else ""
 
     @property
     def full_layers(self) -> tuple[int, ...]:
         """Indices of the full-attention layers."""
-        windowed = set(self.window_layers)
-        return tuple(i for i in range(self.num_layers) if i not in windowed)
+        window = self.window
+        return window.full_layers if window is not None else tuple(range(self.num_layers))
 
     @property
     def layer_bytes_per_block(self) -> int:
@@ -247,9 +239,8 @@ class KVLayout:
     def window_blocks(self) -> int:
         """Blocks a windowed layer keeps behind a block-aligned resume point p: positions
         [p - W + 1, p), ceil((W - 1) / block_size) blocks (0 without a window)."""
-        if self.sliding_window is None:
-            return 0
-        return -(-(self.sliding_window - 1) // self.block_size)
+        window = self.window
+        return window.blocks(self.block_size) if window is not None else 0
 
     def full_part(self) -> KVLayout:
         """The full-attention layers as a layout of their own, as a windowed pool stores them:
@@ -363,135 +354,33 @@ class KVLayout:
         return cls(**out)
 
     @classmethod
+    def from_geometry(cls, geometry: ModelGeometry, block_size: int = 16) -> KVLayout:
+        """A model's geometry (gpu_pool/models.py) cut into blocks of `block_size` tokens."""
+        g = geometry
+        return cls(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, block_size,
+                   sliding_window=g.sliding_window, window_layers=g.window_layers)
+
+    @classmethod
     def from_preset(cls, name: str, dtype: str | None = None, block_size: int = 16) -> KVLayout:
         try:
-            base = PRESETS[name.lower()]
+            geometry = PRESET_MODELS[name.lower()]
         except KeyError:
             raise InvalidArgument(
-                f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}"
+                f"unknown preset {name!r}; known: {', '.join(sorted(PRESET_MODELS))}"
             ) from None
-        lay = replace(base, block_size=block_size)
+        lay = cls.from_geometry(geometry, block_size)
         return lay.with_dtype(dtype) if dtype else lay
 
     @classmethod
     def from_hf_config(
         cls, config: dict[str, Any] | str | Path, dtype: str | None = None, block_size: int = 16
     ) -> KVLayout:
-        """Build from a Hugging Face `config.json` (a dict or a path). Uses num_hidden_layers,
-        num_key_value_heads (default num_attention_heads: no GQA), and head_dim or
-        hidden_size / num_attention_heads; dtype from torch_dtype unless given; the sliding
-        window and its layers from sliding_window, layer_types and the like
-        (gpu_pool.window.window_from_hf_config)."""
-        if not isinstance(config, dict):
-            path = Path(config)
-            if path.is_dir():
-                path = path / "config.json"
-            try:
-                config = json.loads(path.read_text())
-            except FileNotFoundError:
-                raise InvalidArgument(f"model config {str(path)!r} does not exist") from None
-            except json.JSONDecodeError as e:
-                raise InvalidArgument(f"model config {str(path)!r} is not JSON: {e}") from None
-            if not isinstance(config, dict):
-                raise InvalidArgument(f"model config {str(path)!r} is not a JSON object")
-        cfg = config.get("text_config", config)  # multimodal configs nest the LM
-
-        def need_int(key: str) -> int:
-            if key not in cfg:
-                raise InvalidArgument(f"model config has no {key!r}")
-            value = cfg[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgument(f"model config {key!r} must be a positive integer: {value!r}")
-            return value
-
-        num_layers = need_int("num_hidden_layers")
-        num_heads = need_int("num_attention_heads")
-        has_gqa = "num_key_value_heads" in cfg
-        num_kv_heads = need_int("num_key_value_heads") if has_gqa else num_heads
-        if cfg.get("head_dim") is not None:
-            head_dim = need_int("head_dim")
-        else:
-            hidden = need_int("hidden_size")
-            if hidden % num_heads:
-                raise InvalidArgument(
-                    f"model config hidden_size {hidden} is not divisible by "
-                    f"num_attention_heads {num_heads}; give head_dim"
-                )
-            head_dim = hidden // num_heads
-        if num_heads % num_kv_heads:
-            raise InvalidArgument(
-                f"model config num_attention_heads {num_heads} is not a multiple of "
-                f"num_key_value_heads {num_kv_heads}"
-            )
-        hf_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-        window, window_layers = window_from_hf_config(cfg, num_layers)
-        lay = cls(num_layers, num_kv_heads, head_dim, _HF_DTYPES.get(str(hf_dtype), "bf16"),
-                  block_size, sliding_window=window, window_layers=window_layers)
+        """Build from a Hugging Face `config.json` (a dict or a path; what is read:
+        gpu_pool.models.geometry_from_hf_config); dtype from torch_dtype unless given."""
+        lay = cls.from_geometry(geometry_from_hf_config(config), block_size)
         return lay.with_dtype(dtype) if dtype else lay
 
 
-# Published architectures (config.json of each model); kv_heads are the GQA counts.
-PRESETS: dict[str, KVLayout] = {
-    "llama-3.2-1b": KVLayout(num_layers=16, num_kv_heads=8, head_dim=64),
-    "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128),
-    "llama-3-70b": KVLayout(num_layers=80, num_kv_heads=8, head_dim=128),
-    "llama-3.1-405b": KVLayout(num_layers=126, num_kv_heads=8, head_dim=128),
-    "mistral-7b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128),
-    "qwen2.5-0.5b": KVLayout(num_layers=24, num_kv_heads=2, head_dim=64),
-    "qwen2.5-7b": KVLayout(num_layers=28, num_kv_heads=4, head_dim=128),
-    "qwen2.5-72b": KVLayout(num_layers=80, num_kv_heads=8, head_dim=128),
-    # radixkv.engines.models "smollm2-135m": its Q4_1 weights run dequantized, so KV is fp32
-    "smollm2-135m": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="fp32"),
-    # Sliding-window attention. Mistral-7B-v0.1: every layer windowed (v0.2 and later, the
-    # "mistral-7b" preset, dropped the window).
-    "mistral-7b-v0.1": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128,
-                                sliding_window=4096, window_layers=tuple(range(32))),
-    # Gemma-3-12B's attention (48 layers, 8 KV heads, head_dim 256, window 1,024, every sixth
-    # layer full: 40 windowed, 8 full). "-like": the other sizes differ in layers and heads (27B:
-    # 62 layers, 16 x 128; 1B: 26 layers, 1 KV head, window 512).
-    "gemma-3-like": KVLayout(num_layers=48, num_kv_heads=8, head_dim=256, sliding_window=1024,
-                             window_layers=tuple(i for i in range(48) if i % 6 < 5)),
-    # gpt-oss-20b's attention (24 layers, 8 KV heads, head_dim 64, window 128, even layers
-    # windowed). "-like": gpt-oss-120b has 36 such layers; its learned per-head attention sinks
-    # are weights, not cached tokens, so they cost no KV.
-    "gpt-oss-like": KVLayout(num_layers=24, num_kv_heads=8, head_dim=64, sliding_window=128,
-                             window_layers=tuple(range(0, 24, 2))),
-}
-
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-    "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB' -> 85899345920, '1.5GB' -> 1500000000, '4096' -> 4096."""
-    s = text.strip().lower().replace("_", "").replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise InvalidArgument(
-            f"cannot read {text!r} as a size; use e.g. 80GiB, 512MiB, 1.5GB or a byte count"
-        )
-    try:
-        value = float(num) * _UNITS[unit]
-    except ValueError:
-        raise InvalidArgument(f"cannot read {text!r} as a size") from None
-    if value < 0:
-        raise InvalidArgument(f"size must be >= 0, got {text!r}")
-    return int(value)
-
-
-_DEC = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
-_BIN = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-
-
-def format_bytes(n: float) -> str:
-    """Decimal and binary units side by side: '1.34 GB (1.25 GiB)'."""
-    if n < 1000:
-        return f"{int(n)} B"
-    dscale, dunit = next(u for u in _DEC if n >= u[0])
-    bscale, bunit = next((u for u in _BIN if n >= u[0]), _BIN[-1])
-    return f"{n / dscale:.2f} {dunit} ({n / bscale:.2f} {bunit})"
+# The published architectures of gpu_pool/models.py at block size 16.
+PRESETS: dict[str, KVLayout] = {name: KVLayout.from_geometry(g)
+                                for name, g in PRESET_MODELS.items()}

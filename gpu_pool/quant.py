@@ -13,7 +13,7 @@ A quantized block is a row of `layout.bytes_per_block` bytes, cut into segments
 int8 is symmetric absmax: q = round(x / max|x| x 127). int4 is asymmetric: q = round((x - min)
 / (max - min) x 15), two values a byte: channel i in the low nibble, channel i + head_dim / 2 in
 the high one (halves, not neighbours: unpacking then writes two contiguous runs, which torch's
-CPU kernels do ~4x faster than every-other-element ones).
+CPU kernels do much faster than every-other-element ones).
 
 A *sink block* (ids from the pool's sink region, which the service gives the block at position 0
 of every sequence) is a quantized block followed by a `sink` segment: its first `sink_tokens`
@@ -274,8 +274,8 @@ def _decode_rows(layout: KVLayout, rows: torch.Tensor, num_sink: int, k: torch.T
 
 def _ids(block_ids: Sequence[int], num_blocks: int) -> tuple[array.array[int], torch.Tensor]:
     """`block_ids` as int64s, checked to lie in 0..num_blocks-1, and as a CPU tensor sharing
-    their buffer (keep the array alive while the tensor is used). C loops: a request's ids in
-    ~10 us, where Python loops over them cost a tenth of a small gather."""
+    their buffer (keep the array alive while the tensor is used). C loops: Python loops over a
+    request's ids would cost a noticeable share of a small gather."""
     import torch
 
     try:

@@ -1,13 +1,11 @@
 """The pool's byte math, for the owner, attaching processes and the tools that size a pool:
 the slab's shape, strides and bytes, the sink region's share, how many blocks fit in memory, and
-how a sliding-window pool splits its memory between full parts and window parts (gpu_pool/base.py
+how a sliding-window pool splits its memory between full parts and window parts (gpu_pool/slab.py
 describes the regions). Allocates nothing."""
 
 from __future__ import annotations
 
-import operator
-
-from gpu_pool.errors import InvalidArgument
+from gpu_pool.errors import InvalidArgument, as_index
 from gpu_pool.layout import KVLayout
 
 ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -124,7 +122,7 @@ def fit_window_blocks(layout: KVLayout, memory_bytes: int,
     `window_fraction` of the memory (default `default_window_fraction(layout)`) buys window
     parts, the rest full parts. All-windowed layouts: every byte buys window parts and
     F = IDS_PER_WINDOW_PART x W ids of 0 bytes. InvalidArgument when either count is 0."""
-    memory_bytes = _index(memory_bytes, "memory_bytes")
+    memory_bytes = as_index(memory_bytes, "memory_bytes")
     f = check_window_fraction(layout, default_window_fraction(layout)
                               if window_fraction is None else window_fraction)
     window_bytes, full_bytes = layout.window_bytes_per_block, layout.full_bytes_per_block
@@ -158,7 +156,7 @@ def window_blocks_for(layout: KVLayout, num_full_blocks: int,
 def num_blocks_for(layout: KVLayout, memory_bytes: int) -> int:
     """How many whole blocks of `layout` fit in `memory_bytes`. The backend then rounds the slab
     up to its allocation granule (a page on host, 2 MiB on cuda), at most one granule more."""
-    memory_bytes = _index(memory_bytes, "memory_bytes")
+    memory_bytes = as_index(memory_bytes, "memory_bytes")
     if not layout.bytes_per_block:
         raise InvalidArgument(f"{layout!r} takes 0 bytes per block: any number fits")
     n = memory_bytes // layout.bytes_per_block
@@ -186,12 +184,3 @@ def check_window_region(layout: KVLayout, num_blocks: int, num_sink_blocks: int,
                               f"1..{num_blocks - 1}: a windowed pool of {num_blocks} ids needs "
                               "at least one full part and one window part")
 
-
-def _index(value: object, what: str) -> int:
-    """An int-like value (int, numpy integer) that is not a bool, else InvalidArgument."""
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgument(f"{what} must be an integer, got {value!r}") from None

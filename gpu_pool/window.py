@@ -1,4 +1,5 @@
-"""Which layers of a model use sliding-window attention: from a Hugging Face config or a flag.
+"""Sliding-window attention as a value (`SlidingWindow`: the window, its layers) and the
+`--window-layers` spec that names the layers (a Hugging Face config's fields: gpu_pool/models.py).
 
 Hugging Face convention: a windowed layer with window W lets a query attend to itself and the
 W - 1 tokens before it, so resuming a prompt at position p needs that layer's KV of positions
@@ -15,12 +16,9 @@ A spec that names no layer is an error: give no window instead.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
 from gpu_pool.errors import InvalidArgument
-
-SLIDING, FULL = "sliding_attention", "full_attention"  # HF `layer_types` values
 
 
 def check_window(value: object, source: str = "sliding window") -> int:
@@ -30,7 +28,8 @@ def check_window(value: object, source: str = "sliding window") -> int:
     return value
 
 
-def _every(num_layers: int, windowed: int, full: int) -> tuple[int, ...]:
+def every(num_layers: int, windowed: int, full: int) -> tuple[int, ...]:
+    """The layers of a repeating pattern: `windowed` windowed layers, then `full` full ones."""
     return tuple(i for i in range(num_layers) if i % (windowed + full) < windowed)
 
 
@@ -40,12 +39,12 @@ def parse_window_layers(spec: str, num_layers: int) -> tuple[int, ...]:
     if text == "all":
         layers: tuple[int, ...] = tuple(range(num_layers))
     elif text == "alternate":
-        layers = _every(num_layers, 1, 1)
+        layers = every(num_layers, 1, 1)
     elif m := re.fullmatch(r"(\d+):(\d+)", text):
         windowed, full = int(m[1]), int(m[2])
         if windowed + full == 0:
             raise InvalidArgument(f"window layer pattern {spec!r}: N:M needs N + M > 0")
-        layers = _every(num_layers, windowed, full)
+        layers = every(num_layers, windowed, full)
     else:
         picked: set[int] = set()
         for part in text.split(","):
@@ -72,7 +71,7 @@ def format_window_layers(layers: tuple[int, ...], num_layers: int) -> str:
         return "all"
     for period in range(2, num_layers // 2 + 1):
         for windowed in range(1, period):
-            if _every(num_layers, windowed, period - windowed) == layers:
+            if every(num_layers, windowed, period - windowed) == layers:
                 return "alternate" if period == 2 else f"{windowed}:{period - windowed}"
     runs: list[str] = []
     start = prev = layers[0]
@@ -86,54 +85,41 @@ def format_window_layers(layers: tuple[int, ...], num_layers: int) -> str:
     return ",".join(runs)
 
 
-def window_from_hf_config(cfg: Mapping[str, Any],
-                          num_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(window, windowed layer indices) of a Hugging Face text config; (None, ()) for full
-    attention everywhere. In order:
-      use_sliding_window false (Qwen2/3)    -> full attention, whatever sliding_window says
-      layer_types (Gemma-2/3, gpt-oss, ...)  -> the layers marked sliding_attention
-      sliding_window null or absent          -> full attention (Mistral v0.2 and later)
-      sliding_window_pattern P (Gemma-3)     -> layer i windowed unless (i + 1) % P == 0
-      model_type gemma2                      -> even layers windowed
-      use_sliding_window true (Qwen2)        -> layers from max_window_layers on windowed
-      otherwise (Mistral-7B-v0.1)            -> every layer windowed
-    """
-    window = cfg.get("sliding_window")
-    if cfg.get("use_sliding_window") is False:
-        return None, ()
-    types = cfg.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != num_layers:
-            raise InvalidArgument(f"model config layer_types must list {num_layers} layer "
-                                  f"types (num_hidden_layers), got {types!r:.80}")
-        unknown = sorted({str(t) for t in types} - {SLIDING, FULL})
-        if unknown:
-            raise InvalidArgument(f"model config layer_types has {', '.join(unknown)}: only "
-                                  f"{SLIDING} and {FULL} are supported")
-        layers = tuple(i for i, t in enumerate(types) if t == SLIDING)
-        if not layers:
-            return None, ()
-        if window is None:
-            raise InvalidArgument(f"model config layer_types names {len(layers)} "
-                                  f"{SLIDING} layers but sliding_window is null")
-        return check_window(window, "model config sliding_window"), layers
-    if window is None:
-        return None, ()
-    window = check_window(window, "model config sliding_window")
-    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern"))
-    if pattern is not None:
-        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
-            raise InvalidArgument(f"model config sliding_window_pattern must be a positive "
-                                  f"integer, got {pattern!r}")
-        layers = _every(num_layers, pattern - 1, 1)
-    elif cfg.get("model_type") == "gemma2":
-        layers = _every(num_layers, 1, 1)
-    elif cfg.get("use_sliding_window") is True and "max_window_layers" in cfg:
-        first = cfg["max_window_layers"]
-        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-            raise InvalidArgument(f"model config max_window_layers must be an integer >= 0, "
-                                  f"got {first!r}")
-        layers = tuple(range(first, num_layers))
-    else:
-        layers = tuple(range(num_layers))
-    return (window, layers) if layers else (None, ())
+@dataclass(frozen=True, slots=True)
+class SlidingWindow:
+    """The attention pattern of a model with sliding-window layers: `size` tokens W on `layers`
+    (indices, increasing) of `num_layers`; the other layers attend to the whole prefix.
+    `KVLayout.window` gives it for a windowed layout."""
+
+    size: int
+    layers: tuple[int, ...]
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        check_window(self.size)
+        layers = self.layers
+        if not isinstance(layers, tuple) or not layers:
+            raise InvalidArgument(f"a sliding window needs a non-empty tuple of windowed layers, "
+                                  f"got {layers!r}")
+        for i in layers:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers:
+                raise InvalidArgument(f"window layer {i!r} is not one of the layers "
+                                      f"0-{self.num_layers - 1}")
+        if list(layers) != sorted(set(layers)):
+            raise InvalidArgument(f"window layers must be increasing and distinct: {layers}")
+
+    @property
+    def pattern(self) -> str:
+        """The windowed layers as a --window-layers spec ("all", "alternate", "5:1", "0-3,8")."""
+        return format_window_layers(self.layers, self.num_layers)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers."""
+        windowed = set(self.layers)
+        return tuple(i for i in range(self.num_layers) if i not in windowed)
+
+    def blocks(self, block_size: int) -> int:
+        """Blocks a windowed layer keeps behind a block-aligned resume point p: positions
+        [p - W + 1, p), ceil((W - 1) / block_size) blocks."""
+        return -(-(self.size - 1) // block_size)

@@ -94,8 +94,8 @@ class EventLog:
     Block hashes are computed in batches, not per call: `publish` queues the tree's events with
     their sequence numbers, and they are hashed (in order: a block's hash needs its parent's)
     when a reader asks, or once HASH_BATCH are queued. One numpy pass then hashes every queued
-    block, where a call of its own would pay numpy's fixed cost (~12 us warm, ~150 us with the
-    CPU caches cold) on the request path."""
+    block, where a call of its own would pay numpy's fixed cost (larger with the CPU caches
+    cold) on the request path."""
 
     HASH_BATCH = 64  # queued events that trigger hashing without a reader
 

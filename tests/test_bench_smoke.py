@@ -64,7 +64,7 @@ def test_rpc_latency_runs_every_case():
 
 
 def test_ttft_and_accuracy_benches_on_the_real_model(smollm2):
-    """The JSON shapes the checks read, at the smallest sizes (the figures are the README's)."""
+    """The JSON shapes the checks read, at the smallest sizes (figures: docs/benchmarks.md)."""
     report = json.loads(run(str(BENCH / "ttft.py"), "--model", "smollm2-135m",
                             "--prompt-tokens", "64", "--shares", "0,50", "--repeat", "1",
                             "--turns", "2", "--answer-tokens", "4", "--json"))

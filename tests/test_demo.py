@@ -19,6 +19,7 @@ def test_demo_runs_every_stage():
     out = subprocess.run([sys.executable, "-m", "radixkv", "demo", "--requests", "300",
                           "--json"], capture_output=True, text=True, env=env, timeout=840)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "Warning" not in out.stderr, out.stderr[-3000:]  # nothing a newcomer should not see
     result = json.loads(out.stdout)
     assert 0.3 < result["tree"]["token_hit_rate"] < 1
     assert result["service"]["stats"]["integrity"] == "ok"

@@ -328,8 +328,7 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--cpus", metavar="LIST",
                    help="run the server on these CPUs only (e.g. 3, or 2,3): it is bound to "
                    "about one core by Python's GIL, and threads that hop between cores pay "
-                   "for it in cache misses (one pinned core: +25-30%% requests/s with 8 "
-                   "clients on 2 cores); default: wherever the OS puts it")
+                   "for it in cache misses (docs/protocol.md); default: wherever the OS puts it")
     g.add_argument("--stream-workers", type=positive_int, default=16,
                    help="concurrent server streams, e.g. `radixkv events` subscribers (16)")
     g.add_argument("--max-message-bytes", type=positive_int, default=64 << 20,

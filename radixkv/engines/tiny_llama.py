@@ -6,8 +6,8 @@ bit-identical weights and can share KV through radixkv.
     model = build_model("bench", seed=0)          # LlamaForCausalLM, fp32, eval mode
     path = write_config("/tmp/m", "bench")        # config.json for `radixkv serve --model-config`
 
-Sizes (2 cores, fp32): "test" prefills 100 tokens in a few ms; "demo" 500 tokens in ~60 ms;
-"bench" 2,000 tokens in ~0.7 s.
+Sizes, smallest first: "test" for unit tests, "demo" for the demo's engine stage, "bench" for
+TTFT at 2,000 tokens (bench/ttft.py).
 """
 
 from __future__ import annotations
