@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile_us  # noqa: E402
 
-from radixkv.index.eviction import DEFAULT_POLICY  # noqa: E402
+from radixkv.index.policies import DEFAULT_POLICY  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,

@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from radixkv.index.eviction import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
+from radixkv.index.policies import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from radixkv.index.tree import RadixTree  # noqa: E402
 from radixkv.replay.hints import trace_hints  # noqa: E402
 from radixkv.replay.simulate import replay_tree  # noqa: E402

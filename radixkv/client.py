@@ -33,8 +33,8 @@ from gpu_pool import PoolHandle, PoolMapping, attach
 from gpu_pool.layout import KVLayout
 from radixkv import errors
 from radixkv.errors import InvalidArgument, RadixKVError
-from radixkv.index.eviction import parse_hint
-from radixkv.index.tree import InsertResult, NodeView
+from radixkv.index.hints import parse_hint
+from radixkv.index.results import InsertResult, NodeView
 from radixkv.server.auth import call_credentials
 from radixkv.server.config import (
     check_socket_dir,

@@ -57,8 +57,10 @@ from radixkv.errors import (
     PermissionDenied,
 )
 from radixkv.events import EventLog
-from radixkv.index.eviction import DEFAULT_POLICY, NO_HINT, parse_hint, policy_factory
-from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
+from radixkv.index.hints import NO_HINT, parse_hint
+from radixkv.index.policies import DEFAULT_POLICY, policy_factory
+from radixkv.index.results import BlockRemoved, InsertResult, NodeView
+from radixkv.index.tree import RadixTree
 from radixkv.index.window_tree import HOLE, WindowedRadixTree, WindowMatch
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 

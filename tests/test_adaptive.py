@@ -13,7 +13,8 @@ from _kv import make_service, toks
 
 from radixkv.errors import InvalidArgument
 from radixkv.index.adaptive import DEAD, ONCE, TWICE, AdaptivePolicy
-from radixkv.index.eviction import make_policy, parse_hint, policy_factory
+from radixkv.index.hints import parse_hint
+from radixkv.index.policies import make_policy, policy_factory
 from radixkv.index.tree import RadixTree
 from radixkv.replay.hints import session_hints
 

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from radixkv.errors import InvalidArgument
-from radixkv.index.eviction import POLICIES, LFUPolicy, make_policy
-from radixkv.index.tree import BlockRemoved, BlockStored, InsertResult, RadixTree
+from radixkv.index.eviction import LFUPolicy
+from radixkv.index.policies import POLICIES, make_policy
+from radixkv.index.results import BlockRemoved, BlockStored, InsertResult
+from radixkv.index.tree import RadixTree
 from radixkv.tokens import from_token_bytes, ids_from_bytes, ids_to_bytes, to_token_bytes
 
 BS = 4

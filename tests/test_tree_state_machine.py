@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixkv.errors import InvalidArgument
-from radixkv.index.tree import BlockRemoved, BlockStored, InsertResult, RadixTree
+from radixkv.index.results import BlockRemoved, BlockStored, InsertResult
+from radixkv.index.tree import RadixTree
 from radixkv.tokens import to_token_bytes
 
 BS = 4

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv.errors import InvalidArgument
-from radixkv.index.tree import WindowRemoved, WindowStored
+from radixkv.index.results import WindowRemoved, WindowStored
 from radixkv.index.window_tree import HOLE, WindowedRadixTree
 
 B = 2

@@ -11,7 +11,7 @@ from typing import Any
 
 from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
 from radixkv.errors import InvalidArgument, RadixKVError
-from radixkv.index.eviction import DEFAULT_POLICY, POLICIES
+from radixkv.index.policies import DEFAULT_POLICY, POLICIES
 
 
 def positive_int(text: str) -> int:

@@ -39,7 +39,8 @@ import heapq
 from collections import OrderedDict
 from typing import Any, TypeVar, cast
 
-from radixkv.index.eviction import KEEP, SESSION_END, Evictable, EvictionPolicy
+from radixkv.index.eviction import Evictable, EvictionPolicy
+from radixkv.index.hints import KEEP, SESSION_END
 
 T = TypeVar("T", bound=Evictable)
 

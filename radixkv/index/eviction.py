@@ -15,27 +15,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
-
-from radixkv.errors import InvalidArgument
-
-# Retention hints a client may attach to a request (Insert / Release): what it knows about the
-# session's future. NO_HINT is the default; a hint stays on its nodes until their next hit.
-NO_HINT, SESSION_END, KEEP = 0, 1, 2
-HINTS: dict[str, int] = {"": NO_HINT, "none": NO_HINT, "session_end": SESSION_END, "keep": KEEP}
-
-
-def parse_hint(hint: str | int | None) -> int:
-    """A hint's code from its name ("session_end", "keep", "" / "none") or code; InvalidArgument
-    for anything else."""
-    if hint is None:
-        return NO_HINT
-    if isinstance(hint, int) and hint in HINTS.values():
-        return hint
-    if isinstance(hint, str) and hint in HINTS:
-        return HINTS[hint]
-    raise InvalidArgument(f"unknown retention hint {hint!r}; choose session_end, keep or none")
 
 
 class Evictable(Protocol):
@@ -174,33 +154,3 @@ class LFUPolicy(_HeapPolicy[T]):
 
     def _entry(self, item: T) -> tuple[Any, ...]:
         return (item.hits, item.tick, item.node_id, item)
-
-
-PolicyFactory = Callable[[str], EvictionPolicy[Any]]
-
-
-def policy_factory(name: str, capacity_blocks: int | None = None) -> PolicyFactory:
-    """Makes the policies of trees that evict against one pool (a service's namespaces):
-    factory(namespace) is a new, empty policy; their victims' keys compare across trees (with
-    a shared clock), and an adaptive policy's state (target split, ghosts) is shared.
-    `capacity_blocks`: the pool's size, which bounds the adaptive ghost list."""
-    from radixkv.index.adaptive import AdaptiveState
-
-    if name == "adaptive":
-        state = AdaptiveState(capacity_blocks)
-        return state.new_policy
-    if name not in _REGISTRY:
-        raise InvalidArgument(
-            f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")
-    cls = _REGISTRY[name]
-    return lambda namespace: cls()
-
-
-def make_policy(name: str, capacity_blocks: int | None = None) -> EvictionPolicy[Any]:
-    """A new, empty policy by name (one of POLICIES) for one tree."""
-    return policy_factory(name, capacity_blocks)("")
-
-
-_REGISTRY: dict[str, type[_HeapPolicy[Any]]] = {p.name: p for p in (LRUPolicy, LFUPolicy)}
-POLICIES: tuple[str, ...] = (*_REGISTRY, "adaptive")
-DEFAULT_POLICY = "adaptive"

@@ -20,148 +20,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from radixkv.errors import IntegrityError, InvalidArgument
-from radixkv.index.eviction import (
-    NO_HINT,
-    SESSION_END,
-    EvictionPolicy,
-    make_policy,
-    parse_hint,
+from radixkv.index.eviction import EvictionPolicy
+from radixkv.index.hints import NO_HINT, SESSION_END, parse_hint
+from radixkv.index.node import Handle, Node
+from radixkv.index.policies import make_policy
+from radixkv.index.results import (
+    BlockRemoved,
+    BlockStored,
+    InsertResult,
+    MatchResult,
+    NodeView,
+    TreeEvent,
+    TreeStats,
 )
 from radixkv.tokens import TokensLike, block_bytes, num_tokens, to_token_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    num_tokens: int  # a multiple of block_size
-    block_ids: tuple[int, ...]  # the blocks holding those tokens, in order
-    handle: object  # opaque; pass to lock() before the next mutating call
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    adopted: tuple[int, ...]  # now owned by the tree
-    duplicates: tuple[int, ...]  # a different block already caches that prefix: caller frees
-    num_cached_tokens: int  # tokens of the prefix that was cached before the call
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_ids: tuple[int, ...]
-    parent_block_id: int | None  # block just before block_ids[0]; None at the root
-    tokens: bytes  # exactly the tokens of block_ids
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class WindowStored:
-    """Windowed trees (radixkv.index.window_tree): positions that gained a window part."""
-
-    block_ids: tuple[int, ...]  # the positions' full parts
-    window_ids: tuple[int, ...]  # their window parts, in the same order
-
-
-@dataclass(frozen=True, slots=True)
-class WindowRemoved:
-    """Windowed trees: positions whose window part was freed (their full part stays unless a
-    BlockRemoved names it)."""
-
-    block_ids: tuple[int, ...]
-    window_ids: tuple[int, ...]
-
-
-TreeEvent = BlockStored | BlockRemoved | WindowStored | WindowRemoved
-
-
-@dataclass(frozen=True, slots=True)
-class TreeStats:
-    num_nodes: int
-    num_cached_blocks: int
-    num_locked_blocks: int
-    num_evictable_blocks: int
-    num_evicted_blocks: int  # since creation
-    num_inserted_blocks: int  # since creation
-    max_depth_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class NodeView:
-    node_id: int
-    parent_id: int | None  # None for children of the root
-    depth_tokens: int  # tokens from the root to the end of this edge
-    tokens: bytes  # this edge
-    block_ids: tuple[int, ...]
-    lock_count: int
-    hits: int
-    last_access: float  # time.time() of the last touch
-    window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)
-
-
-class _Node:
-    __slots__ = (
-        "node_id",
-        "parent",
-        "children",
-        "tokens",
-        "block_ids",
-        "depth",
-        "lock_count",
-        "hits",
-        "tick",
-        "last_access",
-        "hint",
-        "promoted",
-        "ends",
-    )
-
-    def __init__(
-        self,
-        node_id: int,
-        parent: _Node | None,
-        tokens: bytes,
-        block_ids: tuple[int, ...],
-        depth: int,
-        tick: int,
-        now: float,
-    ) -> None:
-        self.node_id = node_id
-        self.parent: _Node = parent if parent is not None else self  # the root is its own parent
-        self.children: dict[bytes, _Node] = {}
-        self.tokens = tokens
-        self.block_ids = block_ids
-        self.depth = depth  # blocks from the root to the end of this edge
-        self.lock_count = 0
-        self.hits = 0
-        self.tick = tick
-        self.last_access = now
-        self.hint = NO_HINT  # the client's retention hint, until the next hit
-        self.promoted = False  # the policy's own mark
-        self.ends = 0  # requests whose prompt ended exactly here
-
-
-class _Handle:
-    """Behind MatchResult.handle: the deepest matched node and how many of its blocks matched.
-    lock() splits that node if needed and re-points `node` at the exact end of the match; a split
-    keeps the deeper half in the old node object, so a locked handle stays exact."""
-
-    __slots__ = ("tree", "node", "num_blocks", "version", "num_locks")
-
-    def __init__(self, tree: RadixTree, node: _Node, num_blocks: int, version: int) -> None:
-        self.tree, self.node, self.num_blocks, self.version = tree, node, num_blocks, version
-        self.num_locks = 0
 
 
 class RadixTree:
     """Prefix index over whole blocks. Not thread-safe: callers serialize access."""
 
-    _node_type: type[_Node] = _Node
+    _node_type: type[Node] = Node
 
     def __init__(
         self,
@@ -179,7 +60,7 @@ class RadixTree:
             raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
         self._block_size = block_size
         self._block_bytes = block_bytes(block_size)
-        self._policy: EvictionPolicy[_Node] = (
+        self._policy: EvictionPolicy[Node] = (
             make_policy(policy) if isinstance(policy, str) else policy
         )
         if len(self._policy):
@@ -224,7 +105,7 @@ class RadixTree:
         """Longest cached prefix of `tokens` in whole blocks. Read-only: changes no structure,
         order or counter. The handle may be locked only before the next mutating call."""
         node, num_blocks, block_ids = self._walk(to_token_bytes(tokens))
-        handle = _Handle(self, node, num_blocks, self._version)
+        handle = Handle(self, node, num_blocks, self._version)
         return MatchResult(len(block_ids) * self._block_size, tuple(block_ids), handle)
 
     def stats(self) -> TreeStats:
@@ -417,7 +298,7 @@ class RadixTree:
             if h.num_blocks == len(node.block_ids) or h.num_locks:
                 self._give_hint(node, code)
 
-    def _give_hint(self, node: _Node, code: int) -> None:
+    def _give_hint(self, node: Node, code: int) -> None:
         if code == NO_HINT:
             return
         node.hint = code
@@ -472,11 +353,11 @@ class RadixTree:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _trimming(self, node: _Node, keep: int) -> None:
+    def _trimming(self, node: Node, keep: int) -> None:
         """evict() is about to drop node's blocks [keep:] (the node itself when keep is 0).
         A hook for trees whose blocks hold more than one part; nothing here."""
 
-    def _walk(self, key: bytes) -> tuple[_Node, int, list[int]]:
+    def _walk(self, key: bytes) -> tuple[Node, int, list[int]]:
         """Follow `key` in whole blocks: (deepest node reached, blocks of its edge matched,
         matched block ids). The second is < the edge's blocks when the match ends inside it."""
         bb = self._block_bytes
@@ -504,7 +385,7 @@ class RadixTree:
             return child, lo, ids
         return node, len(node.block_ids), ids
 
-    def _split(self, node: _Node, k: int) -> _Node:
+    def _split(self, node: Node, k: int) -> Node:
         """Cut node's edge after k blocks. The new front node takes the first k blocks and the
         node's place under its parent; `node` keeps the tail (and so its identity and end)."""
         assert 0 < k < len(node.block_ids)
@@ -531,8 +412,8 @@ class RadixTree:
         self._policy.touch(node)  # it holds fewer blocks now
         return front
 
-    def _check_handle(self, handle: object) -> _Handle:
-        if not isinstance(handle, _Handle) or handle.tree is not self:
+    def _check_handle(self, handle: object) -> Handle:
+        if not isinstance(handle, Handle) or handle.tree is not self:
             raise InvalidArgument("not a match handle of this tree")
         return handle
 
@@ -562,10 +443,10 @@ class RadixTree:
         root, bb = self._root, self._block_bytes
         if root.tokens or root.block_ids or root.parent is not root or root.lock_count:
             fail("root must hold no tokens, blocks or locks")
-        seen: dict[int, _Node] = {}
+        seen: dict[int, Node] = {}
         num_nodes = num_locked = 0
         depth_counts = [0]
-        evictable: list[_Node] = []
+        evictable: list[Node] = []
         stack = [root]
         while stack:
             parent = stack.pop()

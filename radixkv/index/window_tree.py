@@ -34,15 +34,9 @@ from typing import Any
 
 from radixkv.errors import IntegrityError, InvalidArgument
 from radixkv.index.eviction import EvictionPolicy
-from radixkv.index.tree import (
-    InsertResult,
-    MatchResult,
-    RadixTree,
-    WindowRemoved,
-    WindowStored,
-    _Handle,
-    _Node,
-)
+from radixkv.index.node import Handle, Node
+from radixkv.index.results import InsertResult, MatchResult, WindowRemoved, WindowStored
+from radixkv.index.tree import RadixTree
 from radixkv.tokens import TokensLike, to_token_bytes
 
 HOLE = 0xFFFFFFFF  # a block without its window part
@@ -56,10 +50,10 @@ class WindowMatch(MatchResult):
     full_tokens: int = 0  # tokens whose full parts are cached (>= num_tokens)
 
 
-class _WNode(_Node):
+class WindowNode(Node):
     __slots__ = ("window_ids", "min_leaf")
 
-    def __init__(self, node_id: int, parent: _Node | None, tokens: bytes,
+    def __init__(self, node_id: int, parent: Node | None, tokens: bytes,
                  block_ids: tuple[int, ...], depth: int, tick: int, now: float) -> None:
         super().__init__(node_id, parent, tokens, block_ids, depth, tick, now)
         self.window_ids = array("I", [HOLE]) * len(block_ids)
@@ -69,7 +63,7 @@ class _WNode(_Node):
 class WindowedRadixTree(RadixTree):
     """RadixTree whose blocks also carry window parts; see the module docstring."""
 
-    _node_type = _WNode
+    _node_type = WindowNode
 
     def __init__(self, block_size: int, window_blocks: int,
                  policy: str | EvictionPolicy[Any] = "lru", **kwargs: Any) -> None:
@@ -77,7 +71,7 @@ class WindowedRadixTree(RadixTree):
             raise InvalidArgument(f"window_blocks must be a positive int, got {window_blocks!r}")
         super().__init__(block_size, policy, **kwargs)
         self.window_blocks = window_blocks
-        self._windows: list[tuple[int, int, int, _WNode]] = []  # (tick, start, id, node) heap
+        self._windows: list[tuple[int, int, int, WindowNode]] = []  # (tick, start, id, node) heap
         self._num_windows = 0  # window parts held
         self._gone: list[tuple[int, int]] = []  # (full, window) parts evict() dropped
         self._wheld = bytearray()  # one byte per window part id: held by the tree
@@ -93,7 +87,7 @@ class WindowedRadixTree(RadixTree):
         parts of its last min(depth, window_blocks) blocks."""
         key = to_token_bytes(tokens)
         node, k, ids = self._walk(key)
-        path: list[_WNode] = []
+        path: list[WindowNode] = []
         n: Any = node
         while n is not self._root:
             path.append(n)
@@ -110,7 +104,7 @@ class WindowedRadixTree(RadixTree):
                 start = n.depth - len(n.block_ids)
                 if start < d:
                     node, k = n, d - start
-        handle = _Handle(self, node, k if node is not self._root else 0, self._version)
+        handle = Handle(self, node, k if node is not self._root else 0, self._version)
         w = min(d, self.window_blocks)
         return WindowMatch(d * self._block_size, tuple(ids[:d]), handle,
                            tuple(windows[d - w:d]), len(ids) * self._block_size)
@@ -269,9 +263,9 @@ class WindowedRadixTree(RadixTree):
             out[i] = n.window_ids[j]
         return out
 
-    def _positions(self, key: bytes, first: int, end: int) -> list[tuple[_WNode, int, int]]:
+    def _positions(self, key: bytes, first: int, end: int) -> list[tuple[WindowNode, int, int]]:
         """(node, index in its edge, block index) of the cached blocks first..end-1 of key."""
-        out: list[tuple[_WNode, int, int]] = []
+        out: list[tuple[WindowNode, int, int]] = []
         node: Any = self._root
         bb, pos, i = self._block_bytes, 0, 0
         while i < end:
@@ -287,7 +281,7 @@ class WindowedRadixTree(RadixTree):
             node = child
         return out
 
-    def _queue(self, n: _WNode) -> None:
+    def _queue(self, n: WindowNode) -> None:
         heapq.heappush(self._windows, (n.tick, n.depth - len(n.block_ids), n.node_id, n))
         if len(self._windows) > 4 * self._num_nodes + 1024:  # drop stale entries
             live = {id(n): n for *_, n in self._windows if n.block_ids
@@ -296,7 +290,7 @@ class WindowedRadixTree(RadixTree):
                              for n in live.values()]
             heapq.heapify(self._windows)
 
-    def _trimming(self, node: _Node, keep: int) -> None:
+    def _trimming(self, node: Node, keep: int) -> None:
         n: Any = node
         ws = n.window_ids
         gone = [(n.block_ids[j], ws[j]) for j in range(len(ws) - 1, keep - 1, -1)
@@ -324,7 +318,7 @@ class WindowedRadixTree(RadixTree):
             node.min_leaf, without = value, None
             node = node.parent
 
-    def _split(self, node: _Node, k: int) -> _Node:
+    def _split(self, node: Node, k: int) -> Node:
         n: Any = node
         front: Any = super()._split(node, k)
         front.window_ids, n.window_ids = n.window_ids[:k], n.window_ids[k:]

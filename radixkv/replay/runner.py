@@ -56,8 +56,8 @@ from typing import Any
 import numpy as np
 
 from radixkv.errors import InvalidArgument, RadixKVError
-from radixkv.index.eviction import DEFAULT_POLICY
-from radixkv.index.eviction import POLICIES as EVICTION_POLICIES
+from radixkv.index.policies import DEFAULT_POLICY
+from radixkv.index.policies import POLICIES as EVICTION_POLICIES
 from radixkv.replay.client import ClientArgs, block_keys, client_main
 from radixkv.replay.cluster import (
     ClusterRun,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixkv.errors import InvalidArgument
-from radixkv.index.eviction import DEFAULT_POLICY, make_policy
+from radixkv.index.policies import DEFAULT_POLICY, make_policy
 from radixkv.index.tree import RadixTree
 from radixkv.replay.workload import Request
 from radixkv.tokens import block_bytes, num_tokens

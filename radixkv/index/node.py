@@ -1,0 +1,60 @@
+"""The radix tree's nodes and match handles: internal to radixkv.index (the tree and its
+windowed subclass build and walk them); nothing outside the index holds one."""
+
+from __future__ import annotations
+
+from radixkv.index.hints import NO_HINT
+
+
+class Node:
+    __slots__ = (
+        "node_id",
+        "parent",
+        "children",
+        "tokens",
+        "block_ids",
+        "depth",
+        "lock_count",
+        "hits",
+        "tick",
+        "last_access",
+        "hint",
+        "promoted",
+        "ends",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: Node | None,
+        tokens: bytes,
+        block_ids: tuple[int, ...],
+        depth: int,
+        tick: int,
+        now: float,
+    ) -> None:
+        self.node_id = node_id
+        self.parent: Node = parent if parent is not None else self  # the root is its own parent
+        self.children: dict[bytes, Node] = {}
+        self.tokens = tokens
+        self.block_ids = block_ids
+        self.depth = depth  # blocks from the root to the end of this edge
+        self.lock_count = 0
+        self.hits = 0
+        self.tick = tick
+        self.last_access = now
+        self.hint = NO_HINT  # the client's retention hint, until the next hit
+        self.promoted = False  # the policy's own mark
+        self.ends = 0  # requests whose prompt ended exactly here
+
+
+class Handle:
+    """Behind MatchResult.handle: the deepest matched node and how many of its blocks matched.
+    lock() splits that node if needed and re-points `node` at the exact end of the match; a split
+    keeps the deeper half in the old node object, so a locked handle stays exact."""
+
+    __slots__ = ("tree", "node", "num_blocks", "version", "num_locks")
+
+    def __init__(self, tree: object, node: Node, num_blocks: int, version: int) -> None:
+        self.tree, self.node, self.num_blocks, self.version = tree, node, num_blocks, version
+        self.num_locks = 0

@@ -1,0 +1,76 @@
+"""What the radix tree (radixkv.index.tree) hands out: match and insert results, the events
+its mutations queue, its counters and node snapshots. Frozen; no reference into the tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    num_tokens: int  # a multiple of block_size
+    block_ids: tuple[int, ...]  # the blocks holding those tokens, in order
+    handle: object  # opaque; pass to lock() before the next mutating call
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    adopted: tuple[int, ...]  # now owned by the tree
+    duplicates: tuple[int, ...]  # a different block already caches that prefix: caller frees
+    num_cached_tokens: int  # tokens of the prefix that was cached before the call
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_ids: tuple[int, ...]
+    parent_block_id: int | None  # block just before block_ids[0]; None at the root
+    tokens: bytes  # exactly the tokens of block_ids
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStored:
+    """Windowed trees (radixkv.index.window_tree): positions that gained a window part."""
+
+    block_ids: tuple[int, ...]  # the positions' full parts
+    window_ids: tuple[int, ...]  # their window parts, in the same order
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRemoved:
+    """Windowed trees: positions whose window part was freed (their full part stays unless a
+    BlockRemoved names it)."""
+
+    block_ids: tuple[int, ...]
+    window_ids: tuple[int, ...]
+
+
+TreeEvent = BlockStored | BlockRemoved | WindowStored | WindowRemoved
+
+
+@dataclass(frozen=True, slots=True)
+class TreeStats:
+    num_nodes: int
+    num_cached_blocks: int
+    num_locked_blocks: int
+    num_evictable_blocks: int
+    num_evicted_blocks: int  # since creation
+    num_inserted_blocks: int  # since creation
+    max_depth_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    node_id: int
+    parent_id: int | None  # None for children of the root
+    depth_tokens: int  # tokens from the root to the end of this edge
+    tokens: bytes  # this edge
+    block_ids: tuple[int, ...]
+    lock_count: int
+    hits: int
+    last_access: float  # time.time() of the last touch
+    window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)
