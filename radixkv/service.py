@@ -61,6 +61,7 @@ from radixkv.index.eviction import DEFAULT_POLICY, NO_HINT, parse_hint, policy_f
 from radixkv.index.tree import BlockRemoved, InsertResult, NodeView, RadixTree
 from radixkv.index.window_tree import HOLE, WindowedRadixTree, WindowMatch
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
+from radixkv.types import Allocation, LeaseMatch, WindowLeaseMatch
 
 MAX_NAMESPACE_LEN = 256
 # Namespace names: printable ASCII without spaces ("llama3-8b@rev1", "tenant-a/chat:v2").
@@ -90,42 +91,6 @@ class ServiceConfig:
         if self.lease_ttl_s > self.max_lease_ttl_s:
             raise InvalidArgument(f"lease ttl {self.lease_ttl_s:g} s exceeds the cap "
                                   f"{self.max_lease_ttl_s:g} s")
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseMatch:
-    """A Match's answer: the lease pinning `block_ids`, which hold the first `num_tokens`."""
-
-    lease_id: int
-    num_tokens: int
-    block_ids: tuple[int, ...]
-    epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
-    new_block_ids: tuple[int, ...] = ()  # allocated for the rest (a match with store_tokens)
-    num_evicted: int = 0  # blocks evicted for new_block_ids
-    alloc_error: str = ""  # why a match with store_tokens allocated nothing
-
-
-@dataclass(frozen=True, slots=True)
-class WindowLeaseMatch(LeaseMatch):
-    """A Match's answer on a sliding-window pool (a subclass: the full-attention path builds
-    no more fields): the window parts of the last min(blocks, window_blocks) matched blocks,
-    and (store_tokens) new window parts for the last blocks of the stored range, HOLE where none
-    is needed: the new tail's last window_blocks blocks, and the blocks before the end of the
-    cached full parts whose window parts are missing (a branch point: resumable next time)."""
-
-    window_ids: tuple[int, ...] = ()
-    new_window_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    """Blocks leased to `lease_id`; `num_evicted` blocks were evicted to make room."""
-
-    lease_id: int
-    block_ids: tuple[int, ...]
-    num_evicted: int
-    epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
-    window_ids: tuple[int, ...] = ()  # window parts (windowed pools)
 
 
 @dataclass(frozen=True, slots=True)

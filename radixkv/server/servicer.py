@@ -1,8 +1,9 @@
-"""The RadixKV gRPC servicer: proto <-> KVService, and the one error table.
+"""The RadixKV gRPC servicer: proto <-> KVService.
 
-Each project exception names its status code (`RadixKVError.code`); the servicer aborts with that
-code, the message (which carries the numbers), and the exception's class name in the trailing
-metadata key `radixkv-error`, so the client can raise the same class again.
+Each project exception names its status code (`RadixKVError.code`); the servicer aborts through
+radixkv.wire's table with that code, the message (which carries the numbers), and the
+exception's class name in the trailing metadata key `radixkv-error`, so the client can raise the
+same class again.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
-from gpu_pool.layout import KVLayout
 from radixkv.errors import (
-    ALL_ERRORS,
     IntegrityError,
     InvalidArgument,
     LimitExceeded,
@@ -27,19 +26,16 @@ from radixkv.errors import (
     StalePool,
 )
 from radixkv.events import KVEvent
-from radixkv.service import KVService, WindowLeaseMatch
+from radixkv.service import KVService
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
+from radixkv.types import WindowLeaseMatch
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
+from radixkv.wire import ERROR_KEY, STATUS, layout_pb, pool_info_pb
 
 log = logging.getLogger("radixkv.server.app")
 
 SERVICE_NAME = "radixkv.v1.RadixKV"
-ERROR_KEY = "radixkv-error"
-_CLASSES: tuple[type[RadixKVError], ...] = (RadixKVError, *ALL_ERRORS)
-STATUS: dict[type[RadixKVError], grpc.StatusCode] = {
-    cls: getattr(grpc.StatusCode, cls.code) for cls in _CLASSES
-}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,20 +90,6 @@ def rpc(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def layout_pb(layout: KVLayout) -> pb.KVLayout:
-    out = pb.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                      head_dim=layout.head_dim, dtype=layout.dtype,
-                      block_size=layout.block_size, bytes_per_block=layout.bytes_per_block)
-    if layout.is_quantized:
-        out.model_dtype, out.group_size = layout.model_dtype, layout.group_size
-        out.key_scales, out.sink_tokens = layout.key_scales, layout.sink_tokens
-        out.sink_bytes_per_block = layout.sink_bytes_per_block
-    if layout.sliding_window is not None:
-        out.sliding_window = layout.sliding_window
-        out.window_layers.extend(layout.window_layers)
-    return out
-
-
 def event_pb(ev: KVEvent, epoch: str) -> pb.Event:
     out = pb.Event(sequence=ev.sequence, namespace=ev.namespace, timestamp=ev.timestamp,
                    epoch=epoch)
@@ -160,15 +142,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
 
     @rpc
     def PoolInfo(self, request: pb.PoolInfoRequest, context: Any) -> pb.PoolInfoResponse:
-        h = self.service.pool_handle()
-        return pb.PoolInfoResponse(
-            layout=layout_pb(h.layout), backend=h.backend, num_blocks=h.num_blocks,
-            epoch=h.epoch, shm_name=h.name, nbytes=h.nbytes, ipc_handle=h.ipc_handle,
-            device_id=h.device_id, device_uuid=h.device_uuid, strides=h.strides,
-            max_tokens=self.max_tokens, owner_pid=h.owner_pid, max_batch=MAX_BATCH,
-            lease_ttl_s=self.service.config.lease_ttl_s,
-            max_lease_ttl_s=self.service.config.max_lease_ttl_s,
-            num_sink_blocks=h.num_sink_blocks, num_window_blocks=h.num_window_blocks)
+        config = self.service.config
+        return pool_info_pb(self.service.pool_handle(), self.max_tokens, MAX_BATCH,
+                            config.lease_ttl_s, config.max_lease_ttl_s)
 
     @rpc
     def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
