@@ -1,6 +1,7 @@
 """The values that cross between an engine and the service: a Match's and an Allocate's answers,
-an Insert's result, a tree node's snapshot, and the pool a client maps. Frozen; nothing here
-imports the service, the server or the index, so the client side stands on this alone.
+an Insert's result, a tree node's snapshot, the service's figures, and the pool a client maps.
+Frozen; nothing here imports the service, the server or the index, so the client side stands on
+this alone.
 
 `InsertResult` and `NodeView` have the fields of radixkv.index.tree's (the service returns the
 tree's own; a client builds these from the wire)."""
@@ -69,6 +70,45 @@ class NodeView:
     hits: int
     last_access: float  # time.time() of the last touch
     window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    namespace: str
+    cached_blocks: int
+    nodes: int
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStats:
+    num_blocks: int
+    free_blocks: int
+    leased_blocks: int
+    cached_blocks: int
+    pinned_blocks: int
+    live_leases: int
+    expired_leases: int
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+    recent_requests: int
+    recent_query_tokens: int
+    recent_hit_tokens: int
+    evicted_blocks: int
+    uptime_s: float
+    namespaces: tuple[NamespaceStats, ...]
+    backend: str  # the pool's
+    epoch: str
+    layout: KVLayout
+    event_sequence: int = 0  # the last event published when these figures were read
+    # windowed pools: window parts (num_blocks and the block counts above count full parts)
+    window_blocks: int = 0
+    free_window_blocks: int = 0
+    cached_window_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

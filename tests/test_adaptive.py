@@ -187,12 +187,12 @@ def test_service_evicts_seen_once_across_namespaces():
         fill(svc, "a", toks(*range(12)))  # seen again: T2
         fill(svc, "b", toks(*range(100, 112)))  # 3 blocks, seen once, newer
         r = svc.allocate("e", None, "c", 4)  # 2 free: 2 evicted, from b (LRU would take a's)
-        assert svc.match("e", "a", toks(*range(12))).num_tokens == 12
-        assert svc.match("e", "b", toks(*range(100, 112))).num_tokens == 4
+        ma = svc.match("e", "a", toks(*range(12)))
+        mb = svc.match("e", "b", toks(*range(100, 112)))
+        assert (ma.num_tokens, mb.num_tokens) == (12, 4)
         svc.check_integrity()
-        for lease in [r.lease_id, *svc._leases]:
-            if lease in svc._leases:
-                svc.release("e", [lease])
+        svc.release("e", [r.lease_id, ma.lease_id, mb.lease_id])
+        assert svc.stats().live_leases == 0
         svc.check_integrity()
     finally:
         svc.pool.close()

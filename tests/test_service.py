@@ -31,7 +31,7 @@ def test_release_frees_uninserted_blocks(svc):
     assert svc.stats().free_blocks == 8
 
 
-def test_allocation_evicts_lru_leaf_tail_first(svc):
+def test_allocation_evicts_lru_leaf_tail_first(svc, clock):
     fill(svc, "ns", toks(*range(12)))  # blocks 0 1 2
     fill(svc, "ns", toks(*range(100, 112)))  # blocks 3 4 5
     fill(svc, "ns", toks(*range(12)))  # touch the first prompt again
@@ -40,8 +40,8 @@ def test_allocation_evicts_lru_leaf_tail_first(svc):
     assert svc.match("e", "ns", toks(*range(100, 112))).num_tokens == 4
     assert svc.match("e", "ns", toks(*range(12))).num_tokens == 12
     svc.release("e", [r.lease_id])
-    for lease in list(svc._leases):
-        svc.release("e", [lease])
+    clock.now += 11  # the matches' leases expire: their pins go
+    assert svc.expire_leases() == 2
 
 
 def test_out_of_blocks_reports_numbers(svc):
@@ -81,7 +81,7 @@ def test_lazy_expiry_on_use(svc, clock):
     assert svc.stats().free_blocks == 8
 
 
-def test_namespaces_are_isolated_and_evicted_lru_first(svc):
+def test_namespaces_are_isolated_and_evicted_lru_first(svc, clock):
     fill(svc, "old", toks(*range(16)))  # 4 blocks
     fill(svc, "new", toks(*range(16)))  # 4 blocks: same tokens, other blocks
     assert svc.stats().free_blocks == 0
@@ -89,11 +89,11 @@ def test_namespaces_are_isolated_and_evicted_lru_first(svc):
     assert r.num_evicted == 2
     assert svc.match("e", "old", toks(*range(16))).num_tokens == 8
     assert svc.match("e", "new", toks(*range(16))).num_tokens == 16
-    for lease in list(svc._leases):
-        svc.release("e", [lease])
+    clock.now += 11  # the leases left open expire: their pins go
+    assert svc.expire_leases() == 3
 
 
-def test_events_follow_inserts_and_evictions(svc):
+def test_events_follow_inserts_and_evictions(svc, clock):
     fill(svc, "ns", toks(*range(8)))
     svc.allocate("e", None, "ns", 7)  # forces eviction of one block
     events, lagged = svc.events.read(0)
@@ -101,11 +101,11 @@ def test_events_follow_inserts_and_evictions(svc):
     assert [(e.sequence, e.kind, e.block_ids) for e in events] == [
         (1, "stored", (0, 1)), (2, "removed", (1,))]
     assert events[0].block_hashes[1] == events[1].block_hashes[0]
-    for lease in list(svc._leases):
-        svc.release("e", [lease])
+    clock.now += 11  # the leases left open expire: their pins go
+    assert svc.expire_leases() == 1
 
 
-def test_eviction_is_lru_across_namespaces_not_per_namespace(svc):
+def test_eviction_is_lru_across_namespaces_not_per_namespace(svc, clock):
     fill(svc, "a", toks(*range(12)))  # a1: blocks 0 1 2, the oldest
     fill(svc, "b", toks(*range(8)))  # b1: blocks 3 4
     fill(svc, "a", toks(*range(100, 112)))  # a2: blocks 5 6 7; "a" is the newer namespace
@@ -114,8 +114,8 @@ def test_eviction_is_lru_across_namespaces_not_per_namespace(svc):
     hits = [svc.match("e", ns, toks(*t)).num_tokens
             for ns, t in (("a", range(12)), ("b", range(8)), ("a", range(100, 112)))]
     assert hits == [0, 8, 12]
-    for lease in list(svc._leases):
-        svc.release("e", [lease])
+    clock.now += 11  # the leases left open expire: their pins go
+    assert svc.expire_leases() == 4
 
 
 def test_clear_namespace(svc):

@@ -9,7 +9,7 @@ from typing import Any
 from gpu_pool.layout import KVLayout
 from radixkv.env import default_socket_path, server_settings
 from radixkv.server.auth import read_token
-from radixkv.service import ServiceConfig
+from radixkv.service_config import ServiceConfig
 
 
 @dataclass(frozen=True, slots=True)

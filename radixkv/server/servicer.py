@@ -28,7 +28,6 @@ from radixkv.errors import (
 from radixkv.events import KVEvent
 from radixkv.service import KVService
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
-from radixkv.types import WindowLeaseMatch
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 from radixkv.wire import ERROR_KEY, STATUS, layout_pb, pool_info_pb
@@ -153,23 +152,11 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         outcomes = self.service.match_many(
             _owner(request.client_id), [(q.namespace, q.tokens) for q in queries],
             request.lease_ttl_s or None, store if any(store) else None)
-        response = pb.MatchResponse(epoch=self.service.pool.epoch)
+        response = pb.MatchResponse(epoch=self.service.epoch)
         add = response.results.add  # ~1.5 us less per result than building a list (upb)
+        add_result = self.service.kind.add_result  # the namespace kind writes its own answers
         for o in outcomes:
-            if isinstance(o, WindowLeaseMatch):
-                add(lease_id=o.lease_id, num_tokens=o.num_tokens,
-                    block_ids=ids_to_bytes(o.block_ids),
-                    new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
-                    alloc_error=o.alloc_error, window_ids=ids_to_bytes(o.window_ids),
-                    new_window_ids=ids_to_bytes(o.new_window_ids))
-            elif o.new_block_ids or o.alloc_error:
-                add(lease_id=o.lease_id, num_tokens=o.num_tokens,
-                    block_ids=ids_to_bytes(o.block_ids),
-                    new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
-                    alloc_error=o.alloc_error)
-            else:
-                add(lease_id=o.lease_id, num_tokens=o.num_tokens,
-                    block_ids=ids_to_bytes(o.block_ids))
+            add_result(add, o)
         return response
 
     @rpc
@@ -178,7 +165,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
                                   request.namespace, request.num_blocks,
                                   request.lease_ttl_s or None, request.starts_sequence,
                                   request.num_window_blocks)
-        return pb.AllocateResponse(epoch=self.service.pool.epoch, lease_id=o.lease_id,
+        return pb.AllocateResponse(epoch=self.service.epoch, lease_id=o.lease_id,
                                    block_ids=ids_to_bytes(o.block_ids),
                                    num_evicted=o.num_evicted,
                                    window_ids=ids_to_bytes(o.window_ids))
@@ -186,7 +173,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     @rpc
     def Insert(self, request: pb.InsertRequest, context: Any) -> pb.InsertResponse:
         items = _batch("Insert: items", request.items)
-        epoch = self.service.pool.epoch
+        epoch = self.service.epoch
         for item in items:
             if item.epoch and item.epoch != epoch:
                 raise StalePool(f"blocks written under pool epoch {item.epoch}, but the service "
@@ -224,10 +211,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         integrity = self._integrity() if request.check_integrity else ""
         # ServiceStats and NamespaceStats name their fields as the proto does
         counters = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
-                    if f.name != "namespaces"}
+                    if f.name not in ("namespaces", "layout")}
         return pb.StatsResponse(
-            **counters, integrity=integrity, backend=self.service.pool.backend,
-            layout=layout_pb(self.service.pool.layout), epoch=self.service.pool.epoch,
+            **counters, integrity=integrity, layout=layout_pb(s.layout),
             namespaces=[pb.NamespaceStats(**dataclasses.asdict(n),
                                           cached_tokens=n.cached_blocks * bs)
                         for n in s.namespaces])
@@ -275,7 +261,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         With a namespace filter, sequence numbers still increase but skip other namespaces."""
         log_ = self.service.events
         last = log_.last_sequence
-        epoch = self.service.pool.epoch
+        epoch = self.service.epoch
         if request.epoch and request.epoch != epoch:
             _abort(context, "Events", StalePool(
                 f"events of epoch {request.epoch} are gone: the service restarted (epoch "
@@ -285,7 +271,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             # 1); waiting for that number would silently skip everything up to it.
             _abort(context, "Events", InvalidArgument(
                 f"from_sequence {request.from_sequence} is ahead of the last event {last} "
-                f"(pool epoch {self.service.pool.epoch}; did the service restart?)"))
+                f"(pool epoch {self.service.epoch}; did the service restart?)"))
         after = request.from_sequence - 1 if request.from_sequence else last
         while context.is_active() and not self._closing.is_set():
             events, lagged = log_.read(after, timeout=0.25)
