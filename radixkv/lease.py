@@ -4,14 +4,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gpu_pool import PoolMapping
 from radixkv.errors import RadixKVError
-from radixkv.types import InsertResult
+from radixkv.types import Allocation, InsertResult, LeaseMatch
 
-if TYPE_CHECKING:
-    from radixkv.client import Client
+
+class Calls(Protocol):
+    """The calls a lease makes: radixkv.client.Client's (named here, so that this module does
+    not import the client that imports it)."""
+
+    def match(self, namespace: str, tokens: Any, ttl: float = 0.0,
+              store_tokens: int = 0) -> LeaseMatch: ...
+
+    def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "",
+                 ttl: float = 0.0, starts_sequence: bool = False,
+                 num_window_blocks: int = 0) -> Allocation: ...
+
+    def insert(self, namespace: str, tokens: Any, block_ids: Sequence[int],
+               lease_id: int, epoch: str = "", release: bool = False,
+               hint: str | None = None, window_ids: Sequence[int] = ()) -> InsertResult: ...
+
+    def release(self, *lease_ids: int, hint: str | None = None) -> int: ...
+
+    def keep_alive(self, *lease_ids: int, ttl: float = 0.0) -> float: ...
+
+    def pool_of(self, epoch: str) -> PoolMapping: ...
 
 
 class Lease:
@@ -33,7 +52,7 @@ class Lease:
     into a dead pool is never cached. On a GPU pool, synchronize reads and writes before
     `insert` and `release`: once released, its blocks may be evicted and reused."""
 
-    def __init__(self, client: Client, namespace: str, tokens: Any, ttl: float = 0.0,
+    def __init__(self, client: Calls, namespace: str, tokens: Any, ttl: float = 0.0,
                  store_tokens: int = 0) -> None:
         self.client = client
         self.namespace = namespace
