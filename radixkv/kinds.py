@@ -44,7 +44,7 @@ from radixkv.lease_table import Lease
 from radixkv.tokens import ids_to_bytes, num_tokens
 from radixkv.types import LeaseMatch, NamespaceStats, WindowLeaseMatch
 
-Claim = Callable[[Lease, int, set[int], str], None]  # the service's claim of one id
+Claim = Callable[[Lease, int, set[int], str], None]  # LeaseTable.claim: one id for an Insert
 
 
 @dataclass(slots=True)

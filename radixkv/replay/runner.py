@@ -53,7 +53,7 @@ import numpy as np
 
 from radixkv.errors import InvalidArgument
 from radixkv.index.eviction import DEFAULT_POLICY
-from radixkv.replay.client import ClientArgs, block_keys, client_main
+from radixkv.replay.client import ClientArgs, block_keys
 from radixkv.replay.cluster import (
     ClusterRun,
     ClusterStats,
@@ -72,6 +72,7 @@ from radixkv.replay.report import (
     build_report,
     render_report,
 )
+from radixkv.replay.worker import client_main
 from radixkv.replay.workload import Request, iter_trace
 from radixkv.server.launch import server_process
 
