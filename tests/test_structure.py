@@ -110,3 +110,23 @@ def test_the_client_side_loads_no_service_server_or_index(module: str) -> None:
     loaded = out.stdout.split()
     assert module in loaded
     assert [m for m in loaded if within(m, SERVICE_SIDE)] == []
+
+
+def names_in(path: Path) -> set[str]:
+    """Every name and attribute a file mentions."""
+    tree = ast.parse(path.read_text())
+    return ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)})
+
+
+@pytest.mark.parametrize("name", ["radixkv/service.py", "radixkv/server/servicer.py"])
+def test_the_service_and_servicer_never_ask_which_kind(name: str) -> None:
+    """Full attention and sliding window are two namespace kinds behind one contract
+    (radixkv/kinds.py), chosen once: the service and the servicer name no window type."""
+    window_types = {"WindowLeaseMatch", "WindowMatch", "WindowedRadixTree", "WindowNamespace"}
+    assert names_in(REPO / name) & window_types == set()
+
+
+def test_the_servicer_reaches_no_pool() -> None:
+    """The servicer asks the service (epoch, pool handle, stats), never its pool."""
+    assert "pool" not in names_in(REPO / "radixkv/server/servicer.py")
