@@ -1,8 +1,10 @@
 """radixkv: a prefix KV-cache service for LLM inference engines.
 
 Parts (README, "An engine's request"): `gpu_pool` (the lower layer: KV layout, block pool, copies),
-`radixkv.index` (the radix tree), `radixkv.service` (leases, namespaces), `radixkv.server` (gRPC),
-`radixkv.client` (what engines import), `radixkv.cli`, `radixkv.replay`, `radixkv.engines`.
+`radixkv.index` (the radix tree), `radixkv.service` (the verbs; its parts `validation`,
+`lease_table`, `kinds`, `namespaces`, `reclaim`), `radixkv.server` (gRPC), `radixkv.client` (what
+engines import; with `lease`, `types`, `wire`, `env` it loads nothing of the service side),
+`radixkv.cli`, `radixkv.replay`, `radixkv.engines`.
 Importing the package imports nothing heavy: the KV layout is re-exported from `gpu_pool.layout`,
 which is pure Python; grpc and torch come in only with the modules that need them."""
 

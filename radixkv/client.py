@@ -15,141 +15,39 @@ returns zero-copy tensors. If the service restarts, its pool epoch changes; `poo
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import logging
 import os
 import socket
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import grpc
-from google.protobuf.message import Message
 
-from gpu_pool import PoolHandle, PoolMapping, attach
-from gpu_pool.layout import KVLayout
+from gpu_pool import PoolMapping, attach
 from radixkv import errors
+from radixkv.env import check_socket_dir, client_tls_ca, client_token, normalize_target
 from radixkv.errors import InvalidArgument, RadixKVError
-from radixkv.index.hints import parse_hint
-from radixkv.index.results import InsertResult, NodeView
-from radixkv.server.auth import call_credentials
-from radixkv.server.config import (
-    check_socket_dir,
-    client_tls_ca,
-    client_token,
-    default_socket_path,
-)
-from radixkv.server.servicer import ERROR_KEY
-from radixkv.service import Allocation, LeaseMatch, WindowLeaseMatch
+from radixkv.lease import Lease
 from radixkv.tokens import ids_from_bytes, to_token_bytes
+from radixkv.types import Allocation, InsertResult, LeaseMatch, NodeView, PoolInfo
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
+from radixkv.wire import (
+    STORE_ALL,
+    call_credentials,
+    hint_codes,
+    match_results,
+    message_dict,
+    pool_info_from_pb,
+    to_error,
+)
 
 log = logging.getLogger("radixkv.client")
 
-STORE_ALL = 2**32 - 1  # store_tokens meaning "every full block of the prompt"
-
-_BY_NAME: dict[str, type[RadixKVError]] = {c.__name__: c for c in errors.ALL_ERRORS}
-_BY_CODE: dict[str, type[RadixKVError]] = {
-    "INVALID_ARGUMENT": errors.InvalidArgument, "NOT_FOUND": errors.NotFound,
-    "PERMISSION_DENIED": errors.PermissionDenied, "ALREADY_EXISTS": errors.AlreadyExists,
-    "UNAVAILABLE": errors.Unavailable, "UNAUTHENTICATED": errors.Unauthenticated,
-}
-
-
-def to_error(e: grpc.RpcError) -> RadixKVError:
-    """Map a status back to the project's exception (by the server's class name if sent)."""
-    code = e.code().name
-    message = e.details() or code
-    trailing = dict(e.trailing_metadata() or ())
-    cls = _BY_NAME.get(trailing.get(ERROR_KEY, "")) or _BY_CODE.get(code)
-    if cls is None:  # e.g. RESOURCE_EXHAUSTED from grpc itself for an oversized message
-        err = RadixKVError(f"{code}: {message}")
-        err.code = code
-        return err
-    return cls(message)
-
-
-# radixkv.index.eviction's hint codes (the index) -> the proto enum (the same numbers)
-_HINT_PB = (pb.RETENTION_HINT_NONE, pb.RETENTION_HINT_SESSION_END, pb.RETENTION_HINT_KEEP)
-
-
-def _hint_codes(hints: Sequence[str | None] | None, count: int) -> list[pb.RetentionHint]:
-    """Retention hint names -> proto enum values; InvalidArgument for an unknown name or a
-    count mismatch."""
-    if hints is None:
-        return [_HINT_PB[0]] * count
-    if len(hints) != count:
-        raise errors.InvalidArgument(f"{len(hints)} retention hints for {count} items")
-    return [_HINT_PB[parse_hint(h)] for h in hints]
-
-
-def message_dict(msg: Message) -> dict[str, Any]:
-    """A proto message as plain Python values (ints stay ints, unlike MessageToDict)."""
-    out: dict[str, Any] = {}
-    for field in msg.DESCRIPTOR.fields:
-        value = getattr(msg, field.name)
-        repeated = field.is_repeated
-        if field.message_type is not None:
-            out[field.name] = [message_dict(v) for v in value] if repeated else message_dict(value)
-        else:
-            out[field.name] = list(value) if repeated else value
-    return out
-
-
-def normalize_target(target: str | None) -> str:
-    """None -> the default Unix socket; '/path' -> 'unix:///path'; others as given."""
-    if target is None:
-        target = default_socket_path()
-    if target.startswith("/"):
-        return f"unix://{target}"
-    return target
-
-
-@dataclass(frozen=True, slots=True)
-class PoolInfo:
-    layout: KVLayout
-    handle: PoolHandle
-    max_tokens: int
-    max_batch: int = 0  # most queries / items / ids per call (0: an older server, unknown)
-    lease_ttl_s: float = 0.0
-    max_lease_ttl_s: float = 0.0
-
-    @property
-    def epoch(self) -> str:
-        return self.handle.epoch
-
-
-def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
-    q = r.layout
-    try:
-        layout = KVLayout(q.num_layers, q.num_kv_heads, q.head_dim, q.dtype, q.block_size)
-        if q.model_dtype:  # quantized
-            layout = dataclasses.replace(layout, model_dtype=q.model_dtype,
-                                         group_size=q.group_size, key_scales=q.key_scales,
-                                         sink_tokens=q.sink_tokens)
-        if q.sliding_window:  # sliding-window attention on some layers
-            layout = layout.with_window(q.sliding_window, tuple(q.window_layers))
-    except errors.InvalidArgument as e:
-        raise errors.InvalidArgument(f"this client does not understand the service's pool "
-                                     f"layout: {e}") from None
-    if (layout.bytes_per_block != r.layout.bytes_per_block or
-            (layout.sink_tokens and layout.sink_bytes_per_block != r.layout.sink_bytes_per_block)):
-        raise errors.InvalidArgument(
-            f"this client does not understand the service's pool layout: it computes "
-            f"{layout.bytes_per_block} bytes per block for {layout}, the service says "
-            f"{r.layout.bytes_per_block} (a newer block format? upgrade the client)")
-    handle = PoolHandle.from_dict({
-        "backend": r.backend, "name": r.shm_name, "nbytes": r.nbytes,
-        "num_blocks": r.num_blocks, "layout": layout.to_dict(), "epoch": r.epoch,
-        "ipc_handle": base64.b64encode(r.ipc_handle).decode(), "device_id": r.device_id,
-        "device_uuid": r.device_uuid, "owner_pid": r.owner_pid,
-        "num_sink_blocks": r.num_sink_blocks, "num_window_blocks": r.num_window_blocks,
-    })
-    return PoolInfo(layout, handle, r.max_tokens, r.max_batch, r.lease_ttl_s, r.max_lease_ttl_s)
+# what engines and tools import from here
+__all__ = ["STORE_ALL", "Client", "Lease", "PoolInfo", "RadixKVError", "message_dict",
+           "normalize_target", "pool_info_from_pb", "to_error"]
 
 
 class Client:
@@ -287,14 +185,7 @@ class Client:
             add(namespace=ns, tokens=to_token_bytes(t), store_tokens=store_tokens)
         resp = self._call("Match", req)
         self._note_epoch(resp.epoch)
-        epoch = resp.epoch
-        return [WindowLeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
-                                 ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error,
-                                 ids_from_bytes(r.window_ids), ids_from_bytes(r.new_window_ids))
-                if r.window_ids or r.new_window_ids else
-                LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
-                           ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error)
-                for r in resp.results]
+        return match_results(resp)
 
     def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "",
                  ttl: float = 0.0, starts_sequence: bool = False,
@@ -327,7 +218,7 @@ class Client:
         or one retention hint per item ("session_end", "keep" or None; see `release`).
         `window_ids` (sliding-window pools): None or, per item, the window parts of its last
         len(window_ids[i]) blocks."""
-        codes = _hint_codes(hints, len(items))
+        codes = hint_codes(hints, len(items))
         req = pb.InsertRequest(client_id=self.client_id, items=[
             pb.InsertItem(namespace=ns, tokens=to_token_bytes(t), block_ids=to_token_bytes(ids),
                           lease_id=lid, epoch=epoch, release=release, hint=code)
@@ -348,7 +239,7 @@ class Client:
         every lease: what the engine knows of the session, for the eviction policy:
         "session_end" (this prompt's unique tail will not be extended: evict it first) or
         "keep" (the session continues)."""
-        codes = _hint_codes([hint] * len(lease_ids) if hint else None, len(lease_ids))
+        codes = hint_codes([hint] * len(lease_ids) if hint else None, len(lease_ids))
         req = pb.ReleaseRequest(client_id=self.client_id, lease_ids=lease_ids,
                                 hints=codes if hint else ())
         return int(self._call("Release", req).num_freed)
@@ -416,105 +307,3 @@ class Client:
         except grpc.RpcError as e:
             raise to_error(e) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
-
-
-class Lease:
-    """A matched prompt's lease: pins the cached prefix; released on exit.
-
-    Two round trips by default: the Match also allocates `new_block_ids` for the rest of the
-    prompt's full blocks (none, with `alloc_error` set, when every other block is pinned), and
-    `insert(..., release=True)` ends the lease in the same call. `allocate` and a separate
-    release remain for engines that need them.
-
-    Sliding-window pools: `window_ids` are the window parts of the last matched blocks (the
-    windowed layers' KV of the last min(blocks, window_blocks) blocks: all a resume needs),
-    `new_window_ids` those the Match allocated, aligned to the last blocks of the stored range
-    (ending at block `window_end`) with HOLE where a block needs none; `insert(...,
-    window_ids=...)` commits them the same way.
-
-    Its block ids belong to the pool epoch of its Match: `view()` maps that pool (StalePool
-    if the service restarted since) and `insert` tells the service the epoch, so KV written
-    into a dead pool is never cached. On a GPU pool, synchronize reads and writes before
-    `insert` and `release`: once released, its blocks may be evicted and reused."""
-
-    def __init__(self, client: Client, namespace: str, tokens: Any, ttl: float = 0.0,
-                 store_tokens: int = 0) -> None:
-        self.client = client
-        self.namespace = namespace
-        m = client.match(namespace, tokens, ttl, store_tokens)
-        self.lease_id = m.lease_id
-        self.num_tokens = m.num_tokens
-        self.block_ids = m.block_ids
-        self.new_block_ids = m.new_block_ids
-        self.window_ids: tuple[int, ...] = getattr(m, "window_ids", ())
-        self.new_window_ids: tuple[int, ...] = getattr(m, "new_window_ids", ())  # HOLE: none
-        self.window_end = len(m.block_ids) + len(m.new_block_ids)  # new_window_ids end here
-        self.alloc_error = m.alloc_error
-        self.epoch = m.epoch
-        self.released = False
-        self._allocated = False  # blocks after the matched ones were handed out
-
-    def view(self) -> Any:
-        """The pool's blocks as one zero-copy tensor (`PoolMapping.view()`) of this lease's
-        epoch; StalePool if the service restarted since the Match."""
-        return self.client.pool_of(self.epoch).view()
-
-    def pool(self) -> PoolMapping:
-        """The pool mapping of this lease's epoch (`read`/`write` blocks in any format);
-        StalePool if the service restarted since the Match."""
-        return self.client.pool_of(self.epoch)
-
-    def allocate(self, num_blocks: int) -> tuple[int, ...]:
-        """`num_blocks` blocks of this lease to write into: first the ones the Match already
-        allocated (no call), then from an Allocate call for the rest."""
-        ids, self.new_block_ids = (self.new_block_ids[:num_blocks],
-                                   self.new_block_ids[num_blocks:])
-        if len(ids) < num_blocks:
-            first = not self.block_ids and not ids and not self._allocated
-            ids += self.client.allocate(num_blocks - len(ids), lease_id=self.lease_id,
-                                        starts_sequence=first).block_ids
-        self._allocated = True
-        return ids
-
-    def allocate_window(self, num_windows: int) -> tuple[int, ...]:
-        """`num_windows` window parts of this lease (sliding-window pools): first the ones
-        the Match allocated (no call), then from an Allocate call for the rest."""
-        ids, self.new_window_ids = (self.new_window_ids[:num_windows],
-                                    self.new_window_ids[num_windows:])
-        if len(ids) < num_windows:
-            ids += self.client.allocate(0, lease_id=self.lease_id,
-                                        num_window_blocks=num_windows - len(ids)).window_ids
-        return ids
-
-    def keep_alive(self, ttl: float = 0.0) -> float:
-        """Renew this lease (e.g. during a long forward pass); returns the TTL granted."""
-        return self.client.keep_alive(self.lease_id, ttl=ttl)
-
-    def insert(self, tokens: Any, block_ids: Sequence[int],
-               release: bool = False, hint: str | None = None,
-               window_ids: Sequence[int] = ()) -> InsertResult:
-        """Commit written blocks; with `release`, end the lease in the same call. `hint`: see
-        `Client.release`; `window_ids`: the window parts of the last len(window_ids) blocks."""
-        result = self.client.insert(self.namespace, tokens, block_ids, self.lease_id,
-                                    self.epoch, release, hint, window_ids)
-        self.released = self.released or release
-        return result
-
-    def release(self, hint: str | None = None) -> int:
-        if self.released:
-            return 0
-        self.released = True
-        if hint is None:  # the plain call, as before hints existed
-            return self.client.release(self.lease_id)
-        return self.client.release(self.lease_id, hint=hint)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        try:
-            self.release()
-        except RadixKVError:
-            if exc is None:
-                raise  # otherwise keep the original error; the TTL will reclaim the lease

@@ -204,12 +204,12 @@ def test_service_evicts_seen_once_across_namespaces():
         fill(svc, "a", toks(*range(8)))  # seen again: T2
         fill(svc, "b", toks(*range(100, 120)))  # 5 blocks, seen once, newer: T1 over p = 4
         r = svc.allocate("e", None, "c", 3)  # 1 free: 2 evicted, from b (LRU would take a's)
-        assert svc.match("e", "a", toks(*range(8))).num_tokens == 8
-        assert svc.match("e", "b", toks(*range(100, 120))).num_tokens == 12
+        ma = svc.match("e", "a", toks(*range(8)))
+        mb = svc.match("e", "b", toks(*range(100, 120)))
+        assert (ma.num_tokens, mb.num_tokens) == (8, 12)
         svc.check_integrity()
-        for lease in [r.lease_id, *svc._leases]:
-            if lease in svc._leases:
-                svc.release("e", [lease])
+        svc.release("e", [r.lease_id, ma.lease_id, mb.lease_id])
+        assert svc.stats().live_leases == 0
         svc.check_integrity()
     finally:
         svc.pool.close()

@@ -1,13 +1,15 @@
-"""TLS on the TCP port and the bearer token, against a real server."""
+"""TLS on the TCP port and the bearer token, against a real server; the Unix socket's directory
+and lock file, which another local user must not be able to prepare."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
-from _server import running_server
+from _server import running_server, tiny_config_path
 
 from radixkv import errors
 from radixkv.client import Client
@@ -62,3 +64,31 @@ def test_tls_on_tcp(tmp_path, token_file):
         with Client(f"localhost:{port}", token=TOKEN, timeout=3) as plaintext:
             with pytest.raises(errors.Unavailable):
                 plaintext.pool_info()
+
+
+# ---- the Unix socket ---------------------------------------------------------------------------
+
+
+def test_socket_directory_of_another_mode_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # as another local user could have prepared it
+    with pytest.raises(errors.PermissionDenied, match="not writable by group or others"):
+        Client(str(shared / "radixkv.sock"))
+    out = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--socket",
+                          str(shared / "radixkv.sock"), "--model-config",
+                          tiny_config_path(str(tmp_path))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not writable by group or others" in out.stderr
+
+def test_lock_file_symlink_is_not_followed(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (d / "s.sock.lock").symlink_to(victim)
+    out = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--socket",
+                          str(d / "s.sock"), "--model-config", tiny_config_path(str(tmp_path))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "lock file" in out.stderr
+    assert victim.read_text() == "keep me"

@@ -293,3 +293,24 @@ def test_store_after_first_token_writes_back_behind_the_answer(model: Any,
     finally:
         engine.close()
         other.close()
+
+
+def test_engine_syncs_before_every_release(monkeypatch):
+    pytest.importorskip("transformers")
+    from radixkv.engines import tiny_llama
+    from radixkv.engines.hf import Engine
+
+    order: list[str] = []
+    monkeypatch.setattr(Engine, "_sync", staticmethod(lambda view: order.append("sync")))
+    real_release = Client.release
+    monkeypatch.setattr(Client, "release",
+                        lambda self, *ids: order.append("release") or real_release(self, *ids))
+    with tempfile.TemporaryDirectory(prefix="rkv-hf-") as d, running_server(
+            "--model-config", tiny_llama.write_config(d, "test"), num_blocks=64) as s:
+        engine = Engine(tiny_llama.build_model("test", seed=0), s.socket, namespace="tiny")
+        prompt = list(range(1, 14))
+        engine.prefill(prompt)  # stores 3 blocks
+        order.clear()
+        engine.prefill(prompt)  # all cached: reads only, stores nothing
+        assert order == ["sync", "release"]
+        engine.close()

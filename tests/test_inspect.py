@@ -173,3 +173,27 @@ def test_no_server_is_a_clear_error(tmp_path):
                           str(tmp_path / "none.sock")], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert out.returncode == 2 and out.stderr.startswith("radixkv inspect: ")
+
+
+def test_inspector_escapes_what_it_prints():
+    from rich.console import Console
+
+    from radixkv.cli.inspector import event_line, markup_safe, render_summary
+
+    assert event_line({"type": "AllBlocksCleared", "sequence": 1, "timestamp": 0,
+                       "namespace": "a\x1b[2Jb"}).endswith("a\\x1b[2Jb AllBlocksCleared")
+    d = {"target": "[red]t", "uptime_s": 1, "epoch": "e", "evicted_blocks": 0,
+         "leases": {"live": 0, "expired": 0},
+         "pool": {"backend": "host", "bytes": {"total": 1, "free": 1, "cached": 0},
+                  "blocks": {"total": 1, "free": 1, "leased": 0, "cached": 0, "pinned": 0},
+                  "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1,
+                             "dtype": "fp16", "block_size": 1, "bytes_per_block": 4}},
+         "hit_rate": {"lifetime": {"requests": 0, "query_tokens": 0, "hit_tokens": 0,
+                                   "rate": None}},
+         "namespaces": [{"namespace": "[bold]ns", "cached_blocks": 0, "cached_tokens": 0,
+                         "nodes": 0, "requests": 0, "hit_rate": None, "evicted_blocks": 0}]}
+    console = Console(record=True, width=120)
+    console.print(render_summary(d))
+    text = console.export_text()
+    assert "[red]t" in text and "[bold]ns" in text
+    assert markup_safe("\x07[x]") == "\\x07\\[x]"

@@ -171,8 +171,8 @@ def test_memory_budget_counts_the_sink_region():
 
 
 def test_client_refuses_a_layout_it_does_not_understand():
-    from radixkv.server.servicer import layout_pb
     from radixkv.v1 import radixkv_pb2 as pb
+    from radixkv.wire import layout_pb
 
     lay = layout("int4")
     msg = pb.PoolInfoResponse(layout=layout_pb(lay), backend="host", num_blocks=4, epoch="e",

@@ -1,9 +1,15 @@
-"""KVService in-process (no gRPC) on a tiny host pool: exact block ids, leases, eviction."""
+"""KVService in-process (no gRPC) on a tiny host pool: the request path with exact block ids,
+batches that fail whole, namespaces, and the integrity check. Leases: test_leases.py; eviction:
+test_reclaim.py; windows: test_window_service.py; the two-trip path: test_two_trips.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
-from _kv import fill, toks
+from _kv import fill, make_service, toks
 
 from radixkv import errors
 
@@ -24,77 +30,7 @@ def test_request_path_exact_ids(svc):
     assert (s.requests, s.query_tokens, s.hit_tokens) == (2, 22, 8)
 
 
-def test_release_frees_uninserted_blocks(svc):
-    r = svc.allocate("e", None, "ns", 3)
-    assert svc.stats().leased_blocks == 3
-    assert svc.release("e", [r.lease_id]) == 3
-    assert svc.stats().free_blocks == 8
-
-
-@pytest.mark.parametrize("svc", [{"policy": "lru"}], indirect=True)
-def test_allocation_evicts_lru_leaf_tail_first(svc):
-    fill(svc, "ns", toks(*range(12)))  # blocks 0 1 2
-    fill(svc, "ns", toks(*range(100, 112)))  # blocks 3 4 5
-    fill(svc, "ns", toks(*range(12)))  # touch the first prompt again
-    r = svc.allocate("e", None, "ns", 4)  # 2 free: evict 2 blocks from the LRU leaf's tail
-    assert r.num_evicted == 2
-    assert svc.match("e", "ns", toks(*range(100, 112))).num_tokens == 4
-    assert svc.match("e", "ns", toks(*range(12))).num_tokens == 12
-    svc.release("e", [r.lease_id])
-    for lease in list(svc._leases):
-        svc.release("e", [lease])
-
-
-def test_out_of_blocks_reports_numbers(svc):
-    m = svc.match("e", "ns", toks(*range(16)))
-    ids = svc.allocate("e", m.lease_id, "ns", 4).block_ids
-    svc.insert("e", m.lease_id, "ns", toks(*range(16)), ids)  # pinned by m
-    other = svc.allocate("e", None, "ns", 3)
-    with pytest.raises(errors.OutOfBlocks,
-                       match=r"asked 2 blocks: 1 free, 0 evictable, 3 leased, 4 pinned"):
-        svc.allocate("e", None, "ns", 2)
-    svc.release("e", [m.lease_id, other.lease_id])
-
-
-def test_lease_ttl_expiry_and_renewal(svc, clock):
-    fill(svc, "ns", toks(*range(8)))
-    m = svc.match("e", "ns", toks(*range(8)))
-    svc.allocate("e", m.lease_id, "ns", 2)
-    clock.now += 9
-    svc.allocate("e", m.lease_id, "ns", 1)  # use renews the TTL
-    clock.now += 9
-    assert svc.expire_leases() == 0
-    clock.now += 2
-    assert svc.expire_leases() == 1
-    s = svc.stats()
-    assert (s.pinned_blocks, s.leased_blocks, s.free_blocks, s.expired_leases) == (0, 0, 6, 1)
-    with pytest.raises(errors.LeaseExpired):
-        svc.release("e", [m.lease_id])
-    with pytest.raises(errors.NotFound, match="unknown lease 42"):
-        svc.release("e", [42])
-
-
-def test_lazy_expiry_on_use(svc, clock):
-    r = svc.allocate("e", None, "ns", 2)
-    clock.now += 11
-    with pytest.raises(errors.LeaseExpired):
-        svc.allocate("e", r.lease_id, "ns", 1)
-    assert svc.stats().free_blocks == 8
-
-
-def test_namespaces_are_isolated_and_evicted_lru_first(svc):
-    fill(svc, "old", toks(*range(16)))  # 4 blocks
-    fill(svc, "new", toks(*range(16)))  # 4 blocks: same tokens, other blocks
-    assert svc.stats().free_blocks == 0
-    r = svc.allocate("e", None, "new", 2)  # evicts from the least recently used namespace
-    assert r.num_evicted == 2
-    assert svc.match("e", "old", toks(*range(16))).num_tokens == 8
-    assert svc.match("e", "new", toks(*range(16))).num_tokens == 16
-    for lease in list(svc._leases):
-        svc.release("e", [lease])
-
-
-def test_events_follow_inserts_and_evictions(svc):
+def test_events_follow_inserts_and_evictions(svc, clock):
     fill(svc, "ns", toks(*range(8)))
     svc.allocate("e", None, "ns", 7)  # forces eviction of one block
     events, lagged = svc.events.read(0)
@@ -102,21 +38,8 @@ def test_events_follow_inserts_and_evictions(svc):
     assert [(e.sequence, e.kind, e.block_ids) for e in events] == [
         (1, "stored", (0, 1)), (2, "removed", (1,))]
     assert events[0].block_hashes[1] == events[1].block_hashes[0]
-    for lease in list(svc._leases):
-        svc.release("e", [lease])
-
-
-def test_eviction_is_lru_across_namespaces_not_per_namespace(svc):
-    fill(svc, "a", toks(*range(12)))  # a1: blocks 0 1 2, the oldest
-    fill(svc, "b", toks(*range(8)))  # b1: blocks 3 4
-    fill(svc, "a", toks(*range(100, 112)))  # a2: blocks 5 6 7; "a" is the newer namespace
-    r = svc.allocate("e", None, "b", 3)  # evicts a1's 3 blocks, not b1's older namespace
-    assert r.num_evicted == 3 and r.block_ids == (2, 1, 0)
-    hits = [svc.match("e", ns, toks(*t)).num_tokens
-            for ns, t in (("a", range(12)), ("b", range(8)), ("a", range(100, 112)))]
-    assert hits == [0, 8, 12]
-    for lease in list(svc._leases):
-        svc.release("e", [lease])
+    clock.now += 11  # the leases left open expire: their pins go
+    assert svc.expire_leases() == 1
 
 
 def test_clear_namespace(svc):
@@ -136,12 +59,100 @@ def test_clear_namespace(svc):
     assert svc.stats().free_blocks == 6
 
 
-def test_eviction_across_namespaces_publishes_one_event_per_run(svc):
-    fill(svc, "a", toks(*range(12)))  # blocks 0 1 2
-    fill(svc, "b", toks(*range(8)))  # blocks 3 4
-    fill(svc, "a", toks(*range(100, 112)))  # 5 6 7
-    r = svc.allocate("e", None, "b", 4)  # a1's 3 blocks, then b1's tail block
-    events, _ = svc.events.read(3)
-    assert [(e.namespace, e.kind, e.block_ids) for e in events] == [
-        ("a", "removed", (2, 1, 0)), ("b", "removed", (4,))]
-    svc.release("e", [r.lease_id])
+# ---- batches fail whole ----------------------------------------------------------------------
+
+
+def test_failed_match_batch_changes_nothing(clock):
+    svc = make_service(clock, max_namespaces=2)
+    fill(svc, "a", toks(*range(8)))
+    with pytest.raises(errors.LimitExceeded, match="namespaces"):
+        svc.match_many("e", [("a", toks(*range(8))), ("b", toks(1)), ("c", toks(2))])
+    s = svc.stats()
+    assert (s.live_leases, s.pinned_blocks, s.requests) == (0, 0, 1)
+    assert svc.namespaces() == ["a"]
+    svc.check_integrity()
+
+def test_insert_batch_is_all_or_nothing(svc):
+    m1, m2 = svc.match_many("e", [("ns", toks(*range(8))), ("ns", toks(*range(100, 108)))])
+    ids1 = svc.allocate("e", m1.lease_id, "ns", 2).block_ids
+    ids2 = svc.allocate("e", m2.lease_id, "ns", 2).block_ids
+    bad = (ids2[0], 7)  # block 7 was never allocated to m2
+    with pytest.raises(errors.PermissionDenied, match="block 7 is not allocated"):
+        svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
+                              (m2.lease_id, "ns", toks(*range(100, 108)), bad)])
+    assert svc.stats().cached_blocks == 0  # item 1 was not committed either
+    with pytest.raises(errors.InvalidArgument, match="claimed by two items"):
+        svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
+                              (m1.lease_id, "ns", toks(*range(200, 208)), ids1)])
+    assert svc.stats().cached_blocks == 0
+    out, _ = svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
+                                   (m2.lease_id, "ns", toks(*range(100, 108)), ids2)])
+    assert [r.adopted for r in out] == [ids1, ids2]
+
+
+# ---- namespaces ------------------------------------------------------------------------------
+
+
+def test_empty_namespaces_are_reclaimed(clock):
+    svc = make_service(clock, max_namespaces=4)
+    for i in range(50):  # far more distinct names than the limit: each one goes when idle
+        m = svc.match("e", f"ns{i}", toks(1, 2, 3, 4))
+        svc.release("e", [m.lease_id])
+    assert svc.namespaces() == []
+    held = [svc.match("e", f"x{i}", toks(1)).lease_id for i in range(4)]
+    with pytest.raises(errors.LimitExceeded, match="4 namespaces hold blocks or leases"):
+        svc.match("e", "one-too-many", toks(1))
+    svc.release("e", held)
+    svc.check_integrity()
+
+def test_clear_keeps_lifetime_counters(svc):
+    fill(svc, "ns", toks(*range(8)))
+    fill(svc, "ns", toks(*range(8)))  # a hit of 8 tokens
+    before = svc.stats()
+    assert svc.clear("ns") == 2
+    after = svc.stats()
+    assert (after.requests, after.query_tokens, after.hit_tokens) == (
+        before.requests, before.query_tokens, before.hit_tokens) == (2, 16, 8)
+
+
+# ---- integrity -------------------------------------------------------------------------------
+
+
+def test_integrity_checks_hold_under_python_O():
+    code = """
+from gpu_pool import create_pool
+from gpu_pool.layout import KVLayout
+from radixkv.errors import IntegrityError
+from radixkv.service import KVService
+import numpy as np
+svc = KVService(create_pool(KVLayout(1, 1, 4, "fp32", 4), num_blocks=8))
+m = svc.match("e", "ns", np.arange(8, dtype="<u4").tobytes())
+ids = svc.allocate("e", m.lease_id, "ns", 2).block_ids
+svc.pool.free([ids[0]])  # corrupt: a leased block back on the free list
+try:
+    svc.check_integrity()
+    print("missed")
+except IntegrityError as e:
+    print("caught", e)
+svc.pool.close()
+"""
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("caught free 7 + leased 2"), out.stdout
+
+def test_stats_reports_a_failed_invariant(clock):
+    from radixkv.server.servicer import Servicer
+    from radixkv.v1 import radixkv_pb2 as pb
+
+    svc = make_service(clock)
+    servicer = Servicer(svc, 1 << 20)
+    m = svc.match("e", "ns", toks(*range(8)))
+    svc.pool.free([svc.allocate("e", m.lease_id, "ns", 1).block_ids[0]])  # corrupt the service
+    resp = servicer.Stats(pb.StatsRequest(check_integrity=True), None)
+    assert resp.integrity.startswith("FAILED: free 8 + leased 1")
+    time.sleep(0.1)  # the next check is allowed after 10x the last one's time
+    svc.pool._free.append(svc.pool._free[0])  # corrupt the pool's own free list
+    resp = servicer.Stats(pb.StatsRequest(check_integrity=True), None)
+    assert resp.integrity == "FAILED: free list holds 1 duplicate ids"
+    svc.pool.close()

@@ -15,18 +15,15 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from radixkv.cli.flags import add_connection_flags
 from radixkv.engines.models import MODELS, REAL_MODEL
 
 CHAT_MODELS = [name for name, spec in MODELS.items() if spec.tiny is None]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket", metavar="PATH",
-                       help="the service's Unix socket (default: $RADIXKV_SOCKET, else the "
-                       "per-user socket)")
-    where.add_argument("--target", metavar="TARGET",
-                       help="a gRPC target instead, e.g. unix:///path or 127.0.0.1:50051")
+    add_connection_flags(p, "the service's Unix socket (default: $RADIXKV_SOCKET, else the "
+                         "per-user socket)")
     p.add_argument("--model", default=REAL_MODEL, choices=CHAT_MODELS,
                    help=f"the model (default {REAL_MODEL}); the service must hold its KV "
                    f"layout: `radixkv serve --preset {REAL_MODEL}`")

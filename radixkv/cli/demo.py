@@ -16,8 +16,8 @@ from typing import Any
 from rich.console import Console
 
 from radixkv.client import Client
+from radixkv.env import default_socket_path
 from radixkv.errors import AlreadyExists
-from radixkv.server.config import default_socket_path
 from radixkv.server.launch import server_process, start_server
 
 

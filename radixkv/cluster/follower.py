@@ -29,7 +29,7 @@ from radixkv.cluster.index import ClusterIndex
 from radixkv.cluster.membership import MemberInfo
 from radixkv.errors import InvalidArgument, NotFound, RadixKVError, StalePool, Unavailable
 from radixkv.events import chain_hashes
-from radixkv.index.results import NodeView
+from radixkv.types import NodeView
 
 log = logging.getLogger("radixkv.cluster")
 

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from radixkv.cluster.etcd import Etcd, EtcdTarget
 from radixkv.cluster.router_server import BANNER as ROUTER_BANNER
 from radixkv.errors import RadixKVError, Unavailable
-from radixkv.server.launch import ServerProcess, start_server
+from radixkv.server.launch import ServerProcess, start_server, stop_process, wait_for_banner
 
 
 class EtcdNotFound(RadixKVError):
@@ -129,14 +128,7 @@ class RouterProcess:
     lines: list[str] = field(default_factory=list)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig)
 
     def output(self) -> str:
         return "".join(self.lines)
@@ -148,24 +140,11 @@ def start_router(etcd_url: str, listen: str, timeout: float = 60.0) -> RouterPro
         [sys.executable, "-m", "radixkv", "router", "--etcd", etcd_url, "--listen", listen,
          "--log-level", "warning", "--exit-with-parent"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout
-    assert out is not None
-    lines: list[str] = []
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    try:
-        for line in out:
-            lines.append(line)
-            if line.startswith(ROUTER_BANNER):
-                break
-    finally:
-        timer.cancel()
-    if not lines or not lines[-1].startswith(ROUTER_BANNER):
-        proc.wait()
+    lines, banner = wait_for_banner(proc, ROUTER_BANNER, timeout)
+    if banner is None:
         raise Unavailable(f"radixkv router exited {proc.returncode} before serving:\n"
                           + "".join(lines))
-    threading.Thread(target=lambda: lines.extend(out), daemon=True).start()
-    address = lines[-1][len(ROUTER_BANNER):].split()[0].rstrip(":,")
+    address = banner[len(ROUTER_BANNER):].split()[0].rstrip(":,")
     return RouterProcess(proc, address, lines)
 
 

@@ -17,12 +17,14 @@ from typing import Any
 
 import grpc
 
-from radixkv.client import Client, message_dict, normalize_target, to_error
+from radixkv.client import Client
 from radixkv.cluster.router import RankedMember, RouteAnswer
+from radixkv.env import normalize_target
 from radixkv.errors import Unavailable
 from radixkv.tokens import to_token_bytes
 from radixkv.v1 import router_pb2 as pb
 from radixkv.v1 import router_pb2_grpc
+from radixkv.wire import message_dict, to_error
 
 EXCLUDE_S = 2.0  # how long a member that failed a call is left out of our routes
 

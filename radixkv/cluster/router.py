@@ -32,8 +32,8 @@ from radixkv.cluster.index import ClusterIndex
 from radixkv.cluster.membership import MemberInfo
 from radixkv.errors import InvalidArgument, RadixKVError, Unavailable
 from radixkv.events import chain_hashes
-from radixkv.service import check_namespace
 from radixkv.tokens import TOKEN_BYTES
+from radixkv.validation import check_namespace
 
 log = logging.getLogger("radixkv.cluster")
 

@@ -7,7 +7,9 @@
 
 Within a list, the least recently touched leaf goes first. Which list gives the victim follows
 ARC: T1 while its blocks exceed the target `p`, else T2 (the other one when that is empty); `p`
-starts at half the pool when its size is known (at 0, as in ARC, when it is not). A
+starts at half the pool when its size is known (at 0, as in ARC, when it is not). One
+exception: when T2 is to give the victim but T1's coldest leaf has been idle more than
+STALE_FACTOR times as long as T2's, T1's goes (its target share is for recent leaves). A
 new leaf whose first block is in a ghost list goes to T2 and moves `p`: a B1 hit means T1 was
 too small (p grows), a B2 hit that T2 was (p shrinks), each by the blocks re-inserted times the
 ratio of the ghost lists' sizes, as in ARC. A new leaf also goes to T2 when its request extends
@@ -26,7 +28,8 @@ one capacity's worth of evictions. `ghost_size()` counts the blocks they remembe
 
 The state (p, the list sizes, the ghosts) is shared by the policies of every namespace of one
 pool, so victims compare across trees: a key is (rank, tick) with rank 0 = dead, 1 = the list
-ARC takes from now, 2 = the other.
+ARC takes from now, 2 = the other; while ARC takes from T2, a seen-once leaf is rank 1 at its
+idle time divided by STALE_FACTOR (the exception above).
 
 Costs: add / remove / touch / pop O(log n) amortized (one lazy-deletion heap per list: heapq
 runs in C, and nothing here needs ordered iteration or removal by rank, so no sorted
@@ -49,6 +52,7 @@ LINEAGE_ADMIT = 2  # nodes of its path where earlier requests ended that admit a
 _MIX = 0x9E3779B97F4A7C15  # spreads depths over the key's bits
 KEY_BYTES = 128  # a ghost key hashes at most this many bytes of a block (32 tokens)
 GHOST_FACTOR = 2  # each ghost list remembers up to this many x capacity_blocks blocks
+STALE_FACTOR = 3  # a seen-once leaf idle this many times longer than T2's coldest goes first
 
 
 class AdaptiveState:
@@ -69,6 +73,7 @@ class AdaptiveState:
         self.ghost_blocks = [0, 0]  # blocks B1 / B2 remember
         self.ghost_hits = [0, 0]  # blocks re-inserted from B1 / B2
         self.lineage_admits = 0
+        self.newest = 0  # the newest tick any leaf was pushed with: "now" for idle times
 
     def new_policy(self, namespace: str = "") -> AdaptivePolicy[Any]:
         return AdaptivePolicy(self, namespace)
@@ -152,6 +157,8 @@ class AdaptivePolicy(EvictionPolicy[T]):
         self._live[item.node_id] = entry
         self._count[which] += 1
         state = self.state
+        if item.tick > state.newest:
+            state.newest = item.tick
         state.blocks[which] += size
         state.total += size
         if state.total > state.peak:
@@ -187,32 +194,42 @@ class AdaptivePolicy(EvictionPolicy[T]):
             heapq.heappop(heap)  # stale
         return heap[0] if heap else None
 
-    def _victim_list(self) -> int | None:
-        count = self._count
-        if count[DEAD]:
-            return DEAD
-        if not count[ONCE] and not count[TWICE]:
-            return None
-        first = self.state.take_from()
-        return first if count[first] else ONCE + TWICE - first
+    def _order(self, which: int, tick: int) -> tuple[int, float]:
+        """The eviction order across lists (and across the trees sharing the state): (0, tick)
+        for DEAD, (1, tick) for the list ARC takes from now, (2, tick) for the other; but a
+        seen-once leaf while ARC takes from T2 keys as (1, its idle time / STALE_FACTOR before
+        now): it goes before T2 leaves idle less than a STALE_FACTOR-th as long (T1's target
+        share is for recent seen-once leaves, not for one nobody came back to)."""
+        if which == DEAD:
+            return (0, tick)
+        if which == self.state.take_from():
+            return (1, tick)
+        if which == ONCE:
+            now = self.state.newest
+            return (1, now - (now - tick) / STALE_FACTOR)
+        return (2, tick)
+
+    def _victim(self) -> tuple[tuple[int, float], tuple[Any, ...]] | None:
+        """(key, entry) of the leaf `pop` takes next; None when empty."""
+        best: tuple[tuple[int, float], tuple[Any, ...]] | None = None
+        for which in (DEAD, ONCE, TWICE):
+            entry = self._front(which) if self._count[which] else None
+            if entry is not None:
+                key = self._order(which, entry[0])
+                if best is None or key < best[0]:
+                    best = (key, entry)
+        return best
 
     def pop(self) -> T:
-        which = self._victim_list()
-        if which is None:
+        victim = self._victim()
+        if victim is None:
             raise IndexError("pop from an empty eviction policy")
-        entry = self._front(which)
-        assert entry is not None
-        self._drop(entry[1])
-        return cast(T, entry[2])
+        self._drop(victim[1][1])
+        return cast(T, victim[1][2])
 
     def peek_key(self) -> tuple[Any, ...] | None:
-        which = self._victim_list()
-        if which is None:
-            return None
-        entry = self._front(which)
-        assert entry is not None
-        rank = 0 if which == DEAD else (1 if which == self.state.take_from() else 2)
-        return (rank, entry[0])
+        victim = self._victim()
+        return None if victim is None else victim[0]
 
     def __len__(self) -> int:
         return len(self._live)

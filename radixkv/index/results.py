@@ -5,19 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixkv.types import InsertResult, NodeView
+
+__all__ = ["BlockRemoved", "BlockStored", "InsertResult", "MatchResult", "NodeView", "TreeEvent",
+           "TreeStats", "WindowRemoved", "WindowStored"]
+
 
 @dataclass(frozen=True, slots=True)
 class MatchResult:
     num_tokens: int  # a multiple of block_size
     block_ids: tuple[int, ...]  # the blocks holding those tokens, in order
     handle: object  # opaque; pass to lock() before the next mutating call
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    adopted: tuple[int, ...]  # now owned by the tree
-    duplicates: tuple[int, ...]  # a different block already caches that prefix: caller frees
-    num_cached_tokens: int  # tokens of the prefix that was cached before the call
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,16 +59,3 @@ class TreeStats:
     num_evicted_blocks: int  # since creation
     num_inserted_blocks: int  # since creation
     max_depth_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class NodeView:
-    node_id: int
-    parent_id: int | None  # None for children of the root
-    depth_tokens: int  # tokens from the root to the end of this edge
-    tokens: bytes  # this edge
-    block_ids: tuple[int, ...]
-    lock_count: int
-    hits: int
-    last_access: float  # time.time() of the last touch
-    window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)

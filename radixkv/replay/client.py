@@ -1,4 +1,5 @@
-"""One `radixkv replay` client process: drives the service as an engine would.
+"""What a `radixkv replay` client process does per request: drive the service as an engine would
+(radixkv.replay.worker runs the process's loop over the job queue).
 
 Per request (a job from the shared queue, in trace order):
 
@@ -18,10 +19,8 @@ block that holds anything but its own prefix's bytes is a mismatch.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,56 +172,6 @@ def _allocate(kv: Any, lease_id: int, want: int) -> tuple[int, ...]:
     return ()
 
 
-def client_main(args: ClientArgs, jobs: Any, results: Any, done: Any, barrier: Any,
-                 start: Any) -> None:
-    """One client process: take jobs until None; put one dict of per-request arrays."""
-    try:
-        from radixkv.replay.routing import Members, OneService
-
-        members: Members | OneService = Members(args) if args.router else OneService(args)
-    except BaseException:
-        barrier.abort()
-        results.put({"error": traceback.format_exc()})
-        return
-    try:
-        barrier.wait()
-        while not start.value:  # set by the main process once every client is ready
-            time.sleep(0.001)
-        results.put(_client_loop(args, members, jobs, done, start.value))
-    except BaseException:
-        results.put({"error": traceback.format_exc()})
-    finally:
-        members.close()
-
-
-def _client_loop(args: ClientArgs, members: Any, jobs: Any, done: Any,
-                 t0: float) -> dict[str, Any]:
-    cols: dict[str, list[int]] = {k: [] for k in (
-        "index", "hit_tokens", "match_ns", "allocate_ns", "insert_ns", "release_ns",
-        "dropped", "route_ns", "node")}
-    check = Verification()
-    while (job := jobs.get()) is not None:
-        index, namespace, tokens, due_ms, key_bytes, hint = job
-        if args.speed and due_ms is not None:
-            delay = t0 + due_ms / 1e3 / args.speed - time.time()
-            if delay > 0:
-                time.sleep(delay)
-        keys = np.frombuffer(key_bytes, dtype="<u8")
-        request = functools.partial(_request, args, check=check, index=index,
-                                    namespace=namespace, tokens=tokens, keys=keys,
-                                    hint=hint)
-        row, route_ns, node = members.run(index, namespace, tokens, keys, request)
-        row.update(index=index, route_ns=route_ns, node=node)
-        for key, value in row.items():
-            cols[key].append(value)
-        with done.get_lock():
-            done.value += 1
-    out: dict[str, Any] = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
-    out.update(verified=check.verified, mismatches=check.mismatches, examples=check.examples,
-               finished=time.time(), node_names=list(members.names))
-    return out
-
-
 @dataclass
 class Verification:
     """Hit blocks checked against their keys, across the requests of one client."""
@@ -232,7 +181,7 @@ class Verification:
     examples: list[str] = field(default_factory=list)
 
 
-def _request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verification,
+def request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verification,
              index: int, namespace: str, tokens: bytes,
              keys: np.ndarray[Any, Any], hint: str | None = None) -> dict[str, int]:
     """One request against one service, as an engine drives it; returns its record. The

@@ -37,28 +37,23 @@ one node of the members' capacity summed, and the report adds the spread and Rou
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
-import json
 import multiprocessing as mp
-import queue
-import signal
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from radixkv.errors import InvalidArgument, RadixKVError
+from radixkv.errors import InvalidArgument
 from radixkv.index.policies import DEFAULT_POLICY
-from radixkv.index.policies import POLICIES as EVICTION_POLICIES
-from radixkv.replay.client import ClientArgs, block_keys, client_main
+from radixkv.replay.client import ClientArgs, block_keys
 from radixkv.replay.cluster import (
     ClusterRun,
     ClusterStats,
@@ -67,6 +62,7 @@ from radixkv.replay.cluster import (
     start_cluster,
 )
 from radixkv.replay.hints import trace_hints
+from radixkv.replay.jobs import ReplayOptions, collect, conversations_held, count_requests, feed
 from radixkv.replay.report import (
     Cluster,
     Latency,
@@ -75,9 +71,9 @@ from radixkv.replay.report import (
     TraceLog,
     build_report,
     render_report,
-    write_plots,
 )
-from radixkv.replay.workload import Request, generate_synthetic, iter_trace
+from radixkv.replay.worker import client_main
+from radixkv.replay.workload import Request, iter_trace
 from radixkv.server.launch import server_process
 
 __all__ = ["ReplayReport", "block_keys", "render_report", "run_replay", "start_service"]
@@ -106,69 +102,6 @@ def start_service(
 
 
 # ---- the run -------------------------------------------------------------------------------
-
-
-def _feed(requests: Iterable[Request], block_size: int, prefix: str, jobs: Any, clients: int,
-          trace: TraceLog, stop: threading.Event, hints: list[str | None] | None) -> None:
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                jobs.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    try:
-        first_ts: float | None = None
-        for index, req in enumerate(requests):
-            namespace = prefix + req.namespace
-            keys = block_keys(namespace, req.tokens, block_size)
-            ts = req.timestamp_ms
-            if ts is not None and first_ts is None:
-                first_ts = ts
-            due = None if ts is None or first_ts is None else ts - first_ts
-            trace.prompt_tokens.append(req.num_tokens)
-            trace.timestamps_ms.append(due)
-            trace.keys.append(keys.tolist())
-            hint = hints[index] if hints is not None else None
-            if not put((index, namespace, req.tokens, due, keys.tobytes(), hint)):
-                return
-    except BaseException as e:  # a bad trace line: stop the clients, report it
-        trace.error = e
-    for _ in range(clients):
-        put(None)
-
-
-def _count_requests(source: Iterable[Request] | str | Path, limit: int | None) -> int | None:
-    if isinstance(source, list | tuple):
-        n = len(source)
-    elif isinstance(source, str | Path):
-        with open(source, "rb") as f:
-            n = sum(1 for line in f if line.strip())
-    else:
-        return limit
-    return n if limit is None else min(n, limit)
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayOptions:
-    """How a replay runs: `run_replay`'s arguments once checked."""
-
-    name: str  # the trace's name in the report
-    clients: int
-    policy: str
-    speed: float  # 0: as fast as possible; else trace time divided by this
-    verify: bool
-    prefill_tokens_per_s: float
-    num_windows: int  # hit-rate-over-time windows in the report
-    progress: bool
-    total: int | None  # requests expected (None: unknown), for the progress bar
-    round_trips: int = 2  # per request: 2 (Match allocates, Insert releases) or 4
-    routing: str = "cache-aware"  # over a cluster: radixkv.replay.routing
-    kill_member_after: int | None = None  # SIGKILL one member after this many requests
-    hints: bool = False  # send retention hints derived from the trace (radixkv.replay.hints)
-    conversations: bool = False  # count the conversations held at the end
 
 
 def run_replay(
@@ -234,7 +167,7 @@ def run_replay(
     opts = ReplayOptions(
         trace_name or (str(requests) if isinstance(requests, str | Path) else "requests"),
         clients, policy, speed, verify, prefill_tokens_per_s, num_windows, progress,
-        _count_requests(requests, limit), round_trips, routing, kill_member_after, hints,
+        count_requests(requests, limit), round_trips, routing, kill_member_after, hints,
         conversations)
 
     if not isinstance(requests, str | Path):  # a path is streamed; others kept (reference)
@@ -330,7 +263,7 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         trace = TraceLog()
         stop = threading.Event()
         hints = trace_hints(again(), block_size) if opts.hints and again is not None else None
-        feeder = threading.Thread(target=_feed, args=(source, block_size, prefix, jobs,
+        feeder = threading.Thread(target=feed, args=(source, block_size, prefix, jobs,
                                                       opts.clients, trace, stop, hints),
                                   daemon=True)
         feeder.start()
@@ -340,7 +273,7 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
             except threading.BrokenBarrierError:
                 pass  # a client failed to start: its error is in the results
             start.value = time.time()  # the clients wait for it: trace time 0
-            outs, wall, peak = _collect(kv, procs, results, done, start.value, opts, cluster)
+            outs, wall, peak = collect(kv, procs, results, done, start.value, opts, cluster)
         finally:
             stop.set()
             jobs.cancel_join_thread()  # on an error, unsent jobs must not block our exit
@@ -351,7 +284,7 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         feeder.join()
         if trace.error is not None:
             raise trace.error
-        held = (_conversations_held(kv, again(), block_size, prefix)
+        held = (conversations_held(kv, again(), block_size, prefix)
                 if opts.conversations and again is not None else None)
         after = kv.stats(check_integrity=own is not None)
     peak = max(peak, int(after["cached_blocks"]))
@@ -375,250 +308,3 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         nodes, opts.routing, cluster.router, capacity, tuple(sorted(counts.items())),
         Cluster.imbalance(list(counts.values())), Latency.of(route[route >= 0] / 1e3),
         tuple(cluster.killed)))
-
-
-def _conversations_held(kv: Any, requests: Iterable[Request], block_size: int,
-                        prefix: str) -> tuple[int, int]:
-    """(conversations, how many are still cached whole): a conversation is a chain of prompts
-    each extending the last (radixkv.replay.hints), counted by its last prompt; it is held when
-    a Match resumes that prompt's every full block. The matches' leases end at once."""
-    reqs = [r for r in requests if r.num_tokens >= block_size]
-    ends = [r for r, h in zip(reqs, trace_hints(reqs, block_size), strict=True)
-            if h == "session_end"]
-    held = 0
-    for start in range(0, len(ends), 256):
-        batch = ends[start:start + 256]
-        found = kv.match_many([(prefix + r.namespace, r.tokens) for r in batch])
-        kv.release(*[m.lease_id for m in found])
-        held += sum(m.num_tokens == r.num_tokens // block_size * block_size
-                    for m, r in zip(found, batch, strict=True))
-    return len(ends), held
-
-
-def _collect(kv: Any, procs: list[Any], results: Any, done: Any, t0: float,
-             opts: ReplayOptions,
-             cluster: ClusterRun | None = None) -> tuple[list[dict[str, Any]], float, int]:
-    """Wait for every client's result, sampling the cache's peak occupancy and driving the
-    progress bar. Returns (results, wall seconds, peak cached blocks)."""
-    outs: list[dict[str, Any]] = []
-    peak = 0
-    bar = _progress(opts.progress, opts.total)
-    next_poll = 0.0
-    while len(outs) < opts.clients:
-        try:
-            outs.append(results.get(timeout=0.1))
-            if "error" in outs[-1]:
-                raise RadixKVError("a replay client failed:\n" + outs[-1]["error"])
-        except queue.Empty:
-            if all(not p.is_alive() for p in procs) and results.empty():
-                raise RadixKVError("replay clients exited without a result") from None
-        if (cluster is not None and cluster.local is not None and not cluster.killed
-                and opts.kill_member_after is not None and done.value >= opts.kill_member_after):
-            victim = sorted(cluster.local.members)[0]
-            cluster.local.members[victim].stop(signal.SIGKILL)  # a crash, mid-replay
-            cluster.killed.append(victim)
-        if time.monotonic() >= next_poll:  # peak occupancy, sampled
-            peak = max(peak, int(kv.stats()["cached_blocks"]))
-            next_poll = time.monotonic() + 0.25
-        if bar is not None:
-            bar[0].update(bar[1], completed=done.value)
-    if bar is not None:
-        bar[0].update(bar[1], completed=done.value)
-        bar[0].stop()
-    return outs, max(o["finished"] for o in outs) - t0, peak
-
-
-def _progress(enabled: bool, total: int | None) -> tuple[Any, Any] | None:
-    if not enabled:
-        return None
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    bar = Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-    bar.start()
-    return bar, bar.add_task("replay", total=total)
-
-
-# ---- command line --------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The `radixkv replay` flags."""
-    p.add_argument("--trace", default="synthetic",
-                   help="a Mooncake or token JSONL file, or 'synthetic' (default)")
-    p.add_argument("--requests", type=int, default=2000, help="synthetic requests (2000)")
-    p.add_argument("--seed", type=int, default=0, help="synthetic workload seed (0)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--block-size", type=int, default=None,
-                   help=f"tokens per block (default {MOONCAKE_BLOCK_SIZE} for Mooncake traces, "
-                   "whose hash ids are 512-token blocks; 16 otherwise)")
-    p.add_argument("--capacity-blocks", type=int, default=16384,
-                   help="cache capacity in blocks: the started service's --num-blocks (16384)")
-    p.add_argument("--memory", metavar="BYTES",
-                   help="instead of --capacity-blocks: the blocks of --preset's layout stored as "
-                   "--kv-dtype that fit in this much memory, e.g. 40GiB (sink region included)")
-    p.add_argument("--preset", default="llama-3-8b",
-                   help="the model layout --memory is counted in (default llama-3-8b)")
-    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "int8", "int4"),
-                   help="the KV format --memory is counted in (default bf16)")
-    p.add_argument("--window-fraction", type=float, default=None, metavar="F",
-                   help="a sliding-window --preset (gpt-oss-like, gemma-3-like, "
-                   "mistral-7b-v0.1): the share of --memory for window parts (default: their "
-                   "share of one 4,096-token conversation); the replayed service then keeps "
-                   "window parts only for the last window of each resume point")
-    p.add_argument("--all-full", action="store_true",
-                   help="count --memory as if every layer of the preset were full attention "
-                   "(the window-unaware baseline)")
-    p.add_argument("--conversations", action="store_true",
-                   help="at the end, count the conversations (chains of prompts, each "
-                   "extending the last) whose last prompt is still cached whole")
-    p.add_argument("--kv-sink-fraction", type=float, default=0.125,
-                   help="int8/int4: the share of sink blocks (a sequence's first block), as "
-                   "`radixkv serve` (0.125)")
-    p.add_argument("--policy", default=DEFAULT_POLICY, choices=EVICTION_POLICIES,
-                   help=f"eviction policy of the started service (default {DEFAULT_POLICY})")
-    p.add_argument("--hints", action="store_true",
-                   help="send retention hints derived from the trace: the last request of each "
-                   "chain is a session end (client-supplied knowledge: it reads the future)")
-    p.add_argument("--clients", type=int, default=4, help="client processes (4)")
-    p.add_argument("--target", default=None, metavar="SOCKET|TARGET",
-                   help="replay against this running service instead of starting one (its "
-                   "block size and capacity are used)")
-    p.add_argument("--speed", type=float, default=0.0,
-                   help="follow the trace timestamps divided by this (2: twice as fast); "
-                   "0 (default): as fast as possible")
-    p.add_argument("--round-trips", type=int, choices=(2, 4), default=2,
-                   help="per request: 2 (Match also allocates, Insert also releases; default) "
-                   "or 4 (Match, Allocate, Insert, Release)")
-    g = p.add_argument_group("cluster (radixkv/replay/routing.py)")
-    g.add_argument("--nodes", type=int, default=0, metavar="N",
-                   help="start etcd, N members of --capacity-blocks each and a router, and "
-                   "replay over them (0, default: one service)")
-    g.add_argument("--router", default=None, metavar="ADDR",
-                   help="replay over a running cluster through this router instead")
-    g.add_argument("--routing", default="cache-aware",
-                   choices=("cache-aware", "session", "round-robin", "random"),
-                   help="how each request's member is chosen (cache-aware: the router's Route)")
-    g.add_argument("--kill-member-after", type=int, default=None, metavar="REQUESTS",
-                   help="SIGKILL one member (with --nodes) once this many requests are done")
-    g.add_argument("--reference", action="store_true",
-                   help="also replay on one node of N x --capacity-blocks (with --nodes) and "
-                   "report the cluster's hit rate against it")
-    p.add_argument("--no-verify", action="store_true",
-                   help="do not write and check block bytes (on by default)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
-                   help="prefill rate to turn saved tokens into TTFT (default 10,000: an "
-                   "assumed 70B-class rate, see radixkv/replay/runner.py; give your engine's)")
-    p.add_argument("--windows", type=int, default=40, help="hit-rate-over-time windows (40)")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryCapacity:
-    """What a `radixkv serve --memory` pool of one layout holds."""
-
-    blocks: int  # the replayed service's capacity: blocks, or a windowed pool's full parts
-    sink_fraction: float
-    window_blocks: int = 0  # a sliding-window pool's window parts
-    note: str = ""  # for the report: how a windowed pool's memory splits
-    window: ReplayWindow | None = None  # the replayed service's window (windowed presets)
-
-
-def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
-                    sink_fraction: float, window_fraction: float | None = None,
-                    all_full: bool = False) -> MemoryCapacity:
-    """The blocks of `preset`'s layout stored as `kv_dtype` in `memory` bytes: what a
-    `radixkv serve --memory` pool of that format holds. A sliding-window preset's pool holds
-    full parts and window parts (gpu_pool.sizing.fit_window_blocks, `window_fraction` or the
-    default; quantized without sink tokens, as such a pool must be): the replay gets the full
-    parts as its blocks beside the window parts (`window`). `all_full`: count the preset as if
-    every layer were full attention (the baseline a window-unaware cache is)."""
-    from gpu_pool.layout import KVLayout, parse_bytes
-    from gpu_pool.sizing import default_window_fraction, fit_blocks, fit_window_blocks
-
-    layout = KVLayout.from_preset(preset, None, block_size)
-    if all_full:
-        layout = layout.with_window(None)
-    if kv_dtype != layout.dtype:
-        layout = layout.with_dtype(kv_dtype, 0 if layout.is_windowed else None)
-    if layout.is_windowed:
-        f = default_window_fraction(layout) if window_fraction is None else window_fraction
-        full, windows = fit_window_blocks(layout, parse_bytes(memory), f)
-        note = (f"--memory {memory} of {preset} ({kv_dtype}, sliding window "
-                f"{layout.sliding_window} on {len(layout.window_layers)} of "
-                f"{layout.num_layers} layers) holds {full:,} full parts and {windows:,} window "
-                f"parts (window fraction {f:.3f})")
-        window = ReplayWindow(layout.sliding_window or 0, windows,
-                              all_windowed=not layout.full_layers)
-        return MemoryCapacity(full, 0.0, windows, note, window)
-    blocks = fit_blocks(layout, parse_bytes(memory), sink_fraction)
-    if blocks < 1:
-        raise InvalidArgument(f"--memory {memory} holds no {kv_dtype} block of {preset}")
-    return MemoryCapacity(blocks, sink_fraction if layout.sink_tokens else 0.0)
-
-
-def _is_mooncake(path: str) -> bool:
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                return "hash_ids" in json.loads(line)
-    return False
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run `radixkv replay` from parsed flags."""
-    if args.trace == "synthetic":
-        n = args.requests if args.limit is None else min(args.requests, args.limit)
-        requests: list[Request] | str = generate_synthetic(n, args.seed)
-        block_size = args.block_size or 16
-    else:
-        if not Path(args.trace).is_file():
-            raise InvalidArgument(f"trace file not found: {args.trace}")
-        requests = args.trace
-        block_size = args.block_size or (MOONCAKE_BLOCK_SIZE if _is_mooncake(args.trace) else 16)
-    target = args.target
-    if target is not None and target.startswith("/"):
-        target = f"unix://{target}"
-    capacity, sink_fraction, note = args.capacity_blocks, 0.0, ""
-    window: ReplayWindow | None = None
-    if args.memory:
-        counted = memory_capacity(args.preset, args.kv_dtype, block_size, args.memory,
-                                  args.kv_sink_fraction, args.window_fraction, args.all_full)
-        capacity, sink_fraction, note = counted.blocks, counted.sink_fraction, counted.note
-        window = counted.window
-    elif args.window_fraction is not None or args.all_full:
-        raise InvalidArgument("--window-fraction and --all-full size a --memory budget")
-    report = run_replay(
-        requests, target=target, block_size=block_size, capacity_blocks=capacity,
-        sink_fraction=sink_fraction,
-        clients=args.clients, policy=args.policy, limit=args.limit, speed=args.speed,
-        verify=not args.no_verify, round_trips=args.round_trips,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        num_windows=args.windows, progress=True,
-        trace_name=args.trace, nodes=args.nodes, router=args.router, routing=args.routing,
-        kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints,
-        window=window, conversations=args.conversations)
-    if note:
-        report = replace(report, notes=(*report.notes, note))
-    paths = write_plots(report, args.plots) if args.plots else []
-    if args.json:
-        out = report.to_dict()
-        out["plots"] = [str(p) for p in paths]
-        print(json.dumps(out, indent=2))
-    else:
-        from rich.console import Console
-
-        console = Console()
-        console.print(render_report(report))
-        for path in paths:
-            console.print(f"plot: {path}")
-    return 1 if report.mismatches else 0

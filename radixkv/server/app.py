@@ -22,9 +22,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_pool import create_pool
+from radixkv.env import check_socket_dir
 from radixkv.errors import AlreadyExists, InvalidArgument, PermissionDenied, RadixKVError
 from radixkv.server.auth import TokenInterceptor, server_credentials
-from radixkv.server.config import ServerConfig, check_socket_dir
+from radixkv.server.config import ServerConfig
 from radixkv.server.executor import SplitExecutor
 from radixkv.server.metrics import Metrics
 from radixkv.server.servicer import SERVICE_NAME, Servicer

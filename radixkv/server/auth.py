@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 
 from radixkv.errors import InvalidArgument
+from radixkv.wire import AUTH_HEADER
 
 PROTECTED_PREFIX = "/radixkv.v1.RadixKV/"
-HEADER = "authorization"
 
 
 def read_token(path: str | None, env_value: str | None) -> str | None:
@@ -53,7 +53,7 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                           details: grpc.HandlerCallDetails) -> Any:
         if not details.method.startswith(PROTECTED_PREFIX):
             return continuation(details)
-        sent = dict(details.invocation_metadata or ()).get(HEADER, "")
+        sent = dict(details.invocation_metadata or ()).get(AUTH_HEADER, "")
         if hmac.compare_digest(str(sent).encode(), self._expected):
             return continuation(details)
         return self._deny_stream if details.method.endswith("/Events") else self._deny
@@ -71,7 +71,3 @@ def server_credentials(cert: str | None, key: str | None) -> grpc.ServerCredenti
         raise InvalidArgument(f"cannot read TLS files: {e}") from None
     return grpc.ssl_server_credentials([pair])
 
-
-def call_credentials(token: str | None) -> list[tuple[str, str]]:
-    """The metadata a client sends with every call."""
-    return [(HEADER, f"Bearer {token}")] if token else []

@@ -41,16 +41,47 @@ class ServerProcess:
         return "".join(self.lines)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Send `sig` (SIGTERM: a clean stop) and wait; SIGKILL after `timeout`. Returns the exit
-        code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig, timeout)
+
+
+def stop_process(proc: subprocess.Popen[str], sig: int = signal.SIGTERM,
+                 timeout: float = 30.0) -> int:
+    """Send `sig` (SIGTERM: a clean stop) and wait; SIGKILL after `timeout`. Returns the exit
+    code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def wait_for_banner(proc: subprocess.Popen[str], banner: str,
+                    timeout: float) -> tuple[list[str], str | None]:
+    """Read a child's output (stdout, stderr merged) until a line starting with `banner`; return
+    the lines so far and that line. From then on a thread drains the rest into the same list,
+    so the child never blocks on a full pipe. A child that exits first, or hangs for `timeout`
+    seconds (it is killed), gives its lines and None, once it has exited."""
+    out = proc.stdout
+    assert out is not None
+    lines: list[str] = []
+    timer = threading.Timer(timeout, proc.kill)  # a child that hangs before its banner
+    timer.start()
+    try:
+        for line in out:
+            lines.append(line)
+            if line.startswith(banner):
+                break
+    finally:
+        timer.cancel()
+    if not lines or not lines[-1].startswith(banner):
+        proc.wait()
+        return lines, None
+    found = lines[-1]  # before the drain thread appends what the child prints next
+    threading.Thread(target=lambda: lines.extend(out), daemon=True).start()
+    return lines, found
 
 
 def start_server(socket: str, *flags: str, timeout: float = 60.0,
@@ -63,26 +94,12 @@ def start_server(socket: str, *flags: str, timeout: float = 60.0,
     if die_with_parent:  # armed by the child itself: a preexec_fn would run the parent's
         args.append("--exit-with-parent")  # at-fork hooks (grpc's abort in a forked child)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout
-    assert out is not None
-    lines: list[str] = []
-    timer = threading.Timer(timeout, proc.kill)  # a child that hangs before its banner
-    timer.start()
-    try:
-        for line in out:
-            lines.append(line)
-            if line.startswith(BANNER):
-                break
-    finally:
-        timer.cancel()
-    if not lines or not lines[-1].startswith(BANNER):
-        proc.wait()
+    lines, banner = wait_for_banner(proc, BANNER, timeout)
+    if banner is None:
         text = "".join(lines)
         if SOCKET_TAKEN in text:
             raise AlreadyExists(text.strip())
         raise Unavailable(f"radixkv serve exited {proc.returncode} before serving:\n{text}")
-    banner = lines[-1]  # before the drain thread appends what the server prints next
-    threading.Thread(target=lambda: lines.extend(out), daemon=True).start()
     return ServerProcess(proc, socket, banner, lines)
 
 

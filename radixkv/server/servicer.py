@@ -1,8 +1,9 @@
-"""The RadixKV gRPC servicer: proto <-> KVService, and the one error table.
+"""The RadixKV gRPC servicer: proto <-> KVService.
 
-Each project exception names its status code (`RadixKVError.code`); the servicer aborts with that
-code, the message (which carries the numbers), and the exception's class name in the trailing
-metadata key `radixkv-error`, so the client can raise the same class again.
+Each project exception names its status code (`RadixKVError.code`); the servicer aborts through
+radixkv.wire's table with that code, the message (which carries the numbers), and the
+exception's class name in the trailing metadata key `radixkv-error`, so the client can raise the
+same class again.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
-from gpu_pool.layout import KVLayout
 from radixkv.errors import (
-    ALL_ERRORS,
     IntegrityError,
     InvalidArgument,
     LimitExceeded,
@@ -27,19 +26,15 @@ from radixkv.errors import (
     StalePool,
 )
 from radixkv.events import KVEvent
-from radixkv.service import KVService, WindowLeaseMatch
+from radixkv.service import KVService
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
+from radixkv.wire import ERROR_KEY, STATUS, layout_pb, pool_info_pb
 
 log = logging.getLogger("radixkv.server.app")
 
 SERVICE_NAME = "radixkv.v1.RadixKV"
-ERROR_KEY = "radixkv-error"
-_CLASSES: tuple[type[RadixKVError], ...] = (RadixKVError, *ALL_ERRORS)
-STATUS: dict[type[RadixKVError], grpc.StatusCode] = {
-    cls: getattr(grpc.StatusCode, cls.code) for cls in _CLASSES
-}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,20 +89,6 @@ def rpc(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def layout_pb(layout: KVLayout) -> pb.KVLayout:
-    out = pb.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                      head_dim=layout.head_dim, dtype=layout.dtype,
-                      block_size=layout.block_size, bytes_per_block=layout.bytes_per_block)
-    if layout.is_quantized:
-        out.model_dtype, out.group_size = layout.model_dtype, layout.group_size
-        out.key_scales, out.sink_tokens = layout.key_scales, layout.sink_tokens
-        out.sink_bytes_per_block = layout.sink_bytes_per_block
-    if layout.sliding_window is not None:
-        out.sliding_window = layout.sliding_window
-        out.window_layers.extend(layout.window_layers)
-    return out
-
-
 def event_pb(ev: KVEvent, epoch: str) -> pb.Event:
     out = pb.Event(sequence=ev.sequence, namespace=ev.namespace, timestamp=ev.timestamp,
                    epoch=epoch)
@@ -160,15 +141,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
 
     @rpc
     def PoolInfo(self, request: pb.PoolInfoRequest, context: Any) -> pb.PoolInfoResponse:
-        h = self.service.pool_handle()
-        return pb.PoolInfoResponse(
-            layout=layout_pb(h.layout), backend=h.backend, num_blocks=h.num_blocks,
-            epoch=h.epoch, shm_name=h.name, nbytes=h.nbytes, ipc_handle=h.ipc_handle,
-            device_id=h.device_id, device_uuid=h.device_uuid, strides=h.strides,
-            max_tokens=self.max_tokens, owner_pid=h.owner_pid, max_batch=MAX_BATCH,
-            lease_ttl_s=self.service.config.lease_ttl_s,
-            max_lease_ttl_s=self.service.config.max_lease_ttl_s,
-            num_sink_blocks=h.num_sink_blocks, num_window_blocks=h.num_window_blocks)
+        config = self.service.config
+        return pool_info_pb(self.service.pool_handle(), self.max_tokens, MAX_BATCH,
+                            config.lease_ttl_s, config.max_lease_ttl_s)
 
     @rpc
     def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
@@ -177,23 +152,11 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         outcomes = self.service.match_many(
             _owner(request.client_id), [(q.namespace, q.tokens) for q in queries],
             request.lease_ttl_s or None, store if any(store) else None)
-        response = pb.MatchResponse(epoch=self.service.pool.epoch)
+        response = pb.MatchResponse(epoch=self.service.epoch)
         add = response.results.add  # ~1.5 us less per result than building a list (upb)
+        add_result = self.service.kind.add_result  # the namespace kind writes its own answers
         for o in outcomes:
-            if isinstance(o, WindowLeaseMatch):
-                add(lease_id=o.lease_id, num_tokens=o.num_tokens,
-                    block_ids=ids_to_bytes(o.block_ids),
-                    new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
-                    alloc_error=o.alloc_error, window_ids=ids_to_bytes(o.window_ids),
-                    new_window_ids=ids_to_bytes(o.new_window_ids))
-            elif o.new_block_ids or o.alloc_error:
-                add(lease_id=o.lease_id, num_tokens=o.num_tokens,
-                    block_ids=ids_to_bytes(o.block_ids),
-                    new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
-                    alloc_error=o.alloc_error)
-            else:
-                add(lease_id=o.lease_id, num_tokens=o.num_tokens,
-                    block_ids=ids_to_bytes(o.block_ids))
+            add_result(add, o)
         return response
 
     @rpc
@@ -202,7 +165,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
                                   request.namespace, request.num_blocks,
                                   request.lease_ttl_s or None, request.starts_sequence,
                                   request.num_window_blocks)
-        return pb.AllocateResponse(epoch=self.service.pool.epoch, lease_id=o.lease_id,
+        return pb.AllocateResponse(epoch=self.service.epoch, lease_id=o.lease_id,
                                    block_ids=ids_to_bytes(o.block_ids),
                                    num_evicted=o.num_evicted,
                                    window_ids=ids_to_bytes(o.window_ids))
@@ -210,7 +173,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     @rpc
     def Insert(self, request: pb.InsertRequest, context: Any) -> pb.InsertResponse:
         items = _batch("Insert: items", request.items)
-        epoch = self.service.pool.epoch
+        epoch = self.service.epoch
         for item in items:
             if item.epoch and item.epoch != epoch:
                 raise StalePool(f"blocks written under pool epoch {item.epoch}, but the service "
@@ -248,10 +211,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         integrity = self._integrity() if request.check_integrity else ""
         # ServiceStats and NamespaceStats name their fields as the proto does
         counters = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
-                    if f.name != "namespaces"}
+                    if f.name not in ("namespaces", "layout")}
         return pb.StatsResponse(
-            **counters, integrity=integrity, backend=self.service.pool.backend,
-            layout=layout_pb(self.service.pool.layout), epoch=self.service.pool.epoch,
+            **counters, integrity=integrity, layout=layout_pb(s.layout),
             namespaces=[pb.NamespaceStats(**dataclasses.asdict(n),
                                           cached_tokens=n.cached_blocks * bs)
                         for n in s.namespaces])
@@ -299,7 +261,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         With a namespace filter, sequence numbers still increase but skip other namespaces."""
         log_ = self.service.events
         last = log_.last_sequence
-        epoch = self.service.pool.epoch
+        epoch = self.service.epoch
         if request.epoch and request.epoch != epoch:
             _abort(context, "Events", StalePool(
                 f"events of epoch {request.epoch} are gone: the service restarted (epoch "
@@ -309,7 +271,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             # 1); waiting for that number would silently skip everything up to it.
             _abort(context, "Events", InvalidArgument(
                 f"from_sequence {request.from_sequence} is ahead of the last event {last} "
-                f"(pool epoch {self.service.pool.epoch}; did the service restart?)"))
+                f"(pool epoch {self.service.epoch}; did the service restart?)"))
         after = request.from_sequence - 1 if request.from_sequence else last
         while context.is_active() and not self._closing.is_set():
             events, lagged = log_.read(after, timeout=0.25)

@@ -1,0 +1,133 @@
+"""The flags more than one command defines, defined once: the KV layout group and its parsing
+(`serve`, `calc`), where a service is (`inspect`, `stats`, `events`, `clear`, `chat`), the
+eviction policy and the sink share (`serve`, `replay`), and the argparse types they use."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from typing import Any
+
+from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout
+from radixkv.errors import InvalidArgument
+from radixkv.index.policies import DEFAULT_POLICY, POLICIES
+
+QUANTIZED_KV_DTYPES = ("int8", "int4")  # what --kv-dtype stores
+SINK_FRACTION = 0.125  # the share of sink blocks (a sequence's first block) by default
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def add_connection_flags(p: argparse.ArgumentParser, socket_help: str,
+                         default: Any = None) -> None:
+    """--socket PATH or --target TARGET, one of them (`default`: both flags' default)."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", metavar="PATH", default=default, help=socket_help)
+    where.add_argument("--target", metavar="TARGET", default=default,
+                       help="a gRPC target instead, e.g. unix:///path or 127.0.0.1:50051")
+
+
+def add_policy_flag(g: Any, of: str = "") -> None:
+    """--policy: the eviction policy (`of`: whose, in the help)."""
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES,
+                   help=f"eviction policy{of} (default {DEFAULT_POLICY})")
+
+
+def add_sink_fraction_flag(g: Any, help: str, metavar: str | None = None) -> None:
+    """--kv-sink-fraction: the share of sink blocks of a quantized pool with sink tokens."""
+    g.add_argument("--kv-sink-fraction", type=float, default=SINK_FRACTION, metavar=metavar,
+                   help=help)
+
+
+def add_layout_flags(p: argparse.ArgumentParser, default_preset: str | None) -> None:
+    g = p.add_argument_group("KV layout (one model)")
+    g.add_argument("--preset", default=default_preset, choices=sorted(PRESETS),
+                   help=f"built-in model geometry (default: {default_preset})")
+    g.add_argument("--model-config", metavar="PATH",
+                   help="a Hugging Face config.json (or its folder) instead of --preset")
+    g.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "fp8", "int8", "int4"],
+                   help="the model's KV element type (default: the model's, usually bf16); "
+                        "int8/int4 here mean --kv-dtype with a bf16 model")
+    g.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per block (default: 16)")
+    g.add_argument("--kv-dtype", choices=QUANTIZED_KV_DTYPES,
+                   help="store KV quantized: int8 (symmetric, a scale per token and head) or "
+                        "int4 (asymmetric, keys per channel, values per token group); engines "
+                        "read it back in --dtype")
+    g.add_argument("--kv-sink-tokens", type=int, default=SINK_TOKENS, metavar="N",
+                   help=f"with --kv-dtype: the first N tokens of every sequence stay in --dtype "
+                        f"(attention sinks; default {SINK_TOKENS}, 0 for none)")
+    g.add_argument("--kv-group-size", type=int, default=0, metavar="G",
+                   help="with --kv-dtype: elements per scale along head_dim (default 0: one "
+                        "scale per head)")
+    g.add_argument("--kv-key-scales", choices=["channel", "token"], default="channel",
+                   help="with --kv-dtype int4: keys scaled per channel over a block's tokens "
+                        "(default) or per token group like values")
+    g.add_argument("--sliding-window", type=positive_int, metavar="W",
+                   help="sliding-window attention of W tokens (a query sees itself and the W-1 "
+                        "before it) on the --window-layers; overrides the preset's or config's")
+    g.add_argument("--window-layers", metavar="SPEC",
+                   help="the layers the window applies to (default: the model's own, else all): "
+                        "all (Mistral-7B-v0.1), "
+                        "alternate (even layers windowed, odd full: Gemma-2, gpt-oss), N:M (N "
+                        "windowed then M full, repeating: Gemma-3 is 5:1) or indices like "
+                        "0-3,8")
+
+
+def layout_from_args(args: argparse.Namespace) -> KVLayout:
+    if args.model_config:
+        layout = KVLayout.from_hf_config(args.model_config, args.dtype, args.block_size)
+    elif not args.preset:
+        raise SystemExit("give --preset NAME or --model-config PATH")
+    else:
+        layout = KVLayout.from_preset(args.preset, args.dtype, args.block_size)
+    layout = window_from_args(layout, args)
+    if args.kv_dtype:
+        if layout.is_quantized:
+            raise SystemExit(f"--kv-dtype {args.kv_dtype} with --dtype {layout.dtype}: give the "
+                             "model's dtype as --dtype")
+        layout = replace(layout.with_dtype(args.kv_dtype, args.kv_sink_tokens),
+                         group_size=args.kv_group_size, key_scales=args.kv_key_scales)
+    return layout
+
+
+def window_from_args(layout: KVLayout, args: argparse.Namespace) -> KVLayout:
+    """--sliding-window and --window-layers over the preset's or config's own window."""
+    window, spec = args.sliding_window, args.window_layers
+    if spec is not None and window is None and not layout.is_windowed:
+        raise InvalidArgument(f"--window-layers {spec} needs --sliding-window W: this model "
+                              "has no sliding window")
+    if window is None and spec is None:
+        return layout
+    return layout.with_window(window or layout.sliding_window,
+                              spec if spec is not None else layout.window_pattern or "all")
+
+
+def window_fraction_from_args(layout: KVLayout, text: str | None) -> float | None:
+    """--window-fraction checked against the layout (None when not given)."""
+    if text is None:
+        return None
+    from gpu_pool.sizing import check_window_fraction
+
+    if not layout.is_windowed:
+        raise InvalidArgument(f"--window-fraction {text} needs a sliding-window layout (a "
+                              "windowed preset, a model config with sliding_window, or "
+                              "--sliding-window W); this one has full attention on every layer")
+    try:
+        return check_window_fraction(layout, float(text))
+    except (InvalidArgument, ValueError) as e:
+        raise InvalidArgument(f"--window-fraction {text}: {e}") from None

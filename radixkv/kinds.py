@@ -1,0 +1,300 @@
+"""The two kinds of namespace, behind one contract: full attention and sliding window.
+
+A namespace is one radix tree of token prefixes, its lifetime counters and its live lease
+count. What differs between a full-attention pool and a sliding-window one (each block has a
+full part and, on windowed pools, a window part that only the last window_blocks blocks of a
+resume need) lives here, in `Namespace` and its subclass `WindowNamespace`, as the index has
+`RadixTree` and `WindowedRadixTree`:
+
+    match         the tree's longest resumable prefix, pinned, and the Match answer from it
+    plan_store    which blocks of a stored range get window parts (none: full attention)
+    check_claims  each id an Insert names is the lease's own or the one cached there
+    insert        into the tree
+    evict         whole leaves' tails, and the events and block count that says
+    evict_windows window parts alone (none: full attention)
+    count         window parts cached (0: full attention)
+    end_lease     a lease's pins dropped (and its retention hint given)
+    stats, nodes  the figures and a snapshot of the tree
+    add_result    a Match answer onto the wire
+
+The service picks the kind once, from the pool's layout (`kind_of`), and never asks which one
+it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.errors import FailedPrecondition
+from radixkv.index.eviction import EvictionPolicy
+from radixkv.index.hints import NO_HINT
+from radixkv.index.results import BlockRemoved, InsertResult, MatchResult, NodeView, TreeEvent
+from radixkv.index.tree import RadixTree
+from radixkv.index.window_tree import HOLE, WindowedRadixTree, WindowMatch
+from radixkv.lease_table import Lease
+from radixkv.tokens import ids_to_bytes, num_tokens
+from radixkv.types import LeaseMatch, NamespaceStats, WindowLeaseMatch
+
+Claim = Callable[[Lease, int, set[int], str], None]  # LeaseTable.claim: one id for an Insert
+
+
+@dataclass(slots=True)
+class Counters:
+    """Lifetime request counters (of a namespace, or of the namespaces already dropped)."""
+
+    requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_blocks: int = 0
+
+    def add(self, other: Counters) -> None:
+        self.requests += other.requests
+        self.query_tokens += other.query_tokens
+        self.hit_tokens += other.hit_tokens
+        self.evicted_blocks += other.evicted_blocks
+
+
+class Namespace:
+    """A full-attention namespace."""
+
+    def __init__(self, name: str, block_size: int, window_blocks: int, policy: EvictionPolicy[Any],
+                 clock: Callable[[], int]) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.tree = self._new_tree(block_size, window_blocks, policy, clock)
+        self.num_leases = 0  # live leases in this namespace
+        self.life = Counters()
+
+    @staticmethod
+    def _new_tree(block_size: int, window_blocks: int, policy: EvictionPolicy[Any],
+                  clock: Callable[[], int]) -> RadixTree:
+        return RadixTree(block_size, policy, clock=clock)
+
+    # ---- match -------------------------------------------------------------------------------
+
+    def match(self, lease: Lease, tokens: bytes) -> MatchResult:
+        """The tree's match of `tokens`, pinned for `lease` and counted as a request."""
+        m = self.tree.match(tokens)
+        if m.num_tokens:
+            self.tree.lock(m.handle)
+            lease.handles.append(m.handle)
+        self.life.requests += 1
+        self.life.query_tokens += num_tokens(tokens)
+        self.life.hit_tokens += m.num_tokens
+        return m
+
+    def answer(self, lease_id: int, m: MatchResult, epoch: str) -> LeaseMatch:
+        """The Match answer of the tree's match `m`."""
+        return LeaseMatch(lease_id, m.num_tokens, m.block_ids, epoch)
+
+    @staticmethod
+    def add_result(add: Callable[..., Any], o: LeaseMatch) -> None:
+        """Add a Match answer to the response (`add`: its results' add)."""
+        if o.new_block_ids or o.alloc_error:
+            add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids),
+                new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
+                alloc_error=o.alloc_error)
+        else:
+            add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids))
+
+    # ---- plan a store ------------------------------------------------------------------------
+
+    def plan_store(self, o: LeaseMatch, tokens: bytes, end: int, m: MatchResult) -> list[int]:
+        """Which of blocks [len(o.block_ids), end) get window parts when a Match stores them
+        (`m`: the tree's match behind `o`)."""
+        return []
+
+    def stored(self, o: LeaseMatch, ids: tuple[int, ...], wids: tuple[int, ...],
+               need: list[int], end: int, num_evicted: int) -> LeaseMatch:
+        """`o` with the blocks (`ids`) and window parts (`wids`, one per `need`) allocated for
+        its stored range, which ends at block `end`."""
+        return LeaseMatch(o.lease_id, o.num_tokens, o.block_ids, o.epoch, ids, num_evicted)
+
+    # ---- check claims, insert ----------------------------------------------------------------
+
+    def check_claims(self, lease: Lease, tokens: bytes, block_ids: Sequence[int],
+                     window_ids: Sequence[int], claimed: set[int], claim: Claim) -> None:
+        """Each id is the lease's own (and not claimed by an earlier item of the batch) or the
+        id the tree already caches at that position (`claim` raises the precise error)."""
+        cached = self.tree.match(tokens).block_ids
+        rest = block_ids[len(cached):]
+        if (tuple(block_ids[:len(cached)]) == cached and claimed.isdisjoint(rest)
+                and lease.owned.keys() >= set(rest)):  # the common case, in C
+            claimed.update(rest)
+            return
+        for i, b in enumerate(block_ids):
+            if not (i < len(cached) and cached[i] == b):
+                claim(lease, b, claimed, "block")
+
+    def insert(self, lease: Lease, tokens: bytes, block_ids: Sequence[int], hint: int,
+               window_ids: Sequence[int], pin: bool) -> InsertResult:
+        """Insert what check_claims passed: the adopted and duplicate ids are no longer the
+        lease's (the caller frees the duplicates); with `pin`, the lease pins what was
+        inserted for the rest of its life (the engine may still read it)."""
+        result = self._tree_insert(tokens, block_ids, hint, window_ids)
+        deque(map(lease.owned.pop, result.adopted + result.duplicates), 0)
+        if pin:
+            m = self.tree.match(tokens)
+            if m.num_tokens:
+                self.tree.lock(m.handle, hit=False)
+                lease.handles.append(m.handle)
+        return result
+
+    def _tree_insert(self, tokens: bytes, block_ids: Sequence[int], hint: int,
+                     window_ids: Sequence[int]) -> InsertResult:
+        return self.tree.insert(tokens, block_ids, hint)
+
+    def end_lease(self, lease: Lease, hint: int) -> None:
+        """Drop a lease's pins; `hint` (if any) goes to the deepest path it pinned (the last)."""
+        handles = lease.handles
+        if hint != NO_HINT and handles:
+            self.tree.hint(handles[-1], hint)
+        for handle in handles:
+            self.tree.unlock(handle)
+        self.num_leases -= 1
+
+    # ---- evict, count ------------------------------------------------------------------------
+
+    def evict(self, num_blocks: int, max_leaves: int | None = None) -> list[int]:
+        """Pool ids freed by evicting up to `num_blocks` blocks' worth of leaf tails."""
+        return self.tree.evict(num_blocks, max_leaves)
+
+    def evicted(self, freed: list[int]) -> tuple[list[TreeEvent], int]:
+        """After `evict` returned `freed`: the events to publish, and how many blocks went (one
+        BlockRemoved per run of evictions, in eviction order)."""
+        self.tree.take_events()
+        return [BlockRemoved(tuple(freed))], len(freed)
+
+    def evict_windows(self, num_windows: int) -> list[int]:
+        """Window parts freed alone (up to `num_windows`)."""
+        return []
+
+    def evict_all(self) -> list[int]:
+        """Every cached id, evicted without events (the caller publishes AllBlocksCleared);
+        FailedPrecondition while a lease pins or holds anything here."""
+        if self.num_leases:
+            raise FailedPrecondition(
+                f"namespace {self.name!r} has {self.num_leases} live lease(s) "
+                f"({self.tree.num_locked_blocks} blocks pinned); release them first")
+        freed = self.tree.evict(self.tree.num_cached_blocks)
+        self.tree.take_events()
+        return freed
+
+    @property
+    def num_window_blocks(self) -> int:
+        return 0
+
+    def stats(self) -> NamespaceStats:
+        return NamespaceStats(self.name, self.tree.num_cached_blocks, self.tree.stats().num_nodes,
+                              self.life.requests, self.life.query_tokens, self.life.hit_tokens,
+                              self.life.evicted_blocks)
+
+    def nodes(self, max_depth: int = 0) -> list[NodeView]:
+        """The tree's nodes, DFS pre-order, at most `max_depth` edges deep when > 0."""
+        nodes = list(self.tree.nodes())
+        if not max_depth:
+            return nodes
+        depth: dict[int | None, int] = {None: 0}
+        kept = []
+        for node in nodes:
+            depth[node.node_id] = depth[node.parent_id] + 1
+            if depth[node.node_id] <= max_depth:
+                kept.append(node)
+        return kept
+
+
+class WindowNamespace(Namespace):
+    """A sliding-window namespace: blocks have a full part and maybe a window part; a resume
+    needs the window parts of its last window_blocks blocks."""
+
+    def __init__(self, name: str, block_size: int, window_blocks: int, policy: EvictionPolicy[Any],
+                 clock: Callable[[], int]) -> None:
+        super().__init__(name, block_size, window_blocks, policy, clock)
+        self.window_blocks = window_blocks
+        tree = self.tree
+        assert isinstance(tree, WindowedRadixTree)
+        self.wtree = tree  # the same tree, typed as what it is
+
+    @staticmethod
+    def _new_tree(block_size: int, window_blocks: int, policy: EvictionPolicy[Any],
+                  clock: Callable[[], int]) -> RadixTree:
+        return WindowedRadixTree(block_size, window_blocks, policy, clock=clock)
+
+    def answer(self, lease_id: int, m: MatchResult, epoch: str) -> LeaseMatch:
+        assert isinstance(m, WindowMatch)
+        return WindowLeaseMatch(lease_id, m.num_tokens, m.block_ids, epoch,
+                                window_ids=m.window_ids)
+
+    @staticmethod
+    def add_result(add: Callable[..., Any], o: LeaseMatch) -> None:
+        assert isinstance(o, WindowLeaseMatch)
+        add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids),
+            new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
+            alloc_error=o.alloc_error, window_ids=ids_to_bytes(o.window_ids),
+            new_window_ids=ids_to_bytes(o.new_window_ids))
+
+    def plan_store(self, o: LeaseMatch, tokens: bytes, end: int, m: MatchResult) -> list[int]:
+        """A request resumed at d stores the window parts of its last window_blocks blocks,
+        and, where the cached full parts reach further than the match (to full_end: a branch
+        point), of the window_blocks before full_end that lack theirs."""
+        assert isinstance(m, WindowMatch)
+        full_end = m.full_tokens // self.block_size
+        d, wb = len(o.block_ids), self.window_blocks
+        need = set(range(max(d, end - wb), end))
+        branch = min(full_end, end)
+        if branch > d:
+            need.update(range(max(d, branch - wb), branch))
+            have = self.wtree.window_parts(tokens)
+            need = {i for i in need if i >= full_end or have[i] == HOLE}
+        return sorted(need)
+
+    def stored(self, o: LeaseMatch, ids: tuple[int, ...], wids: tuple[int, ...],
+               need: list[int], end: int, num_evicted: int) -> LeaseMatch:
+        """New window parts aligned to the stored range's last blocks, HOLE where none."""
+        if need:
+            aligned = [HOLE] * (end - need[0])
+            for i, w in zip(need, wids, strict=True):
+                aligned[i - need[0]] = w
+            wids = tuple(aligned)
+        assert isinstance(o, WindowLeaseMatch)
+        return dataclasses.replace(o, new_block_ids=ids, num_evicted=num_evicted,
+                                   new_window_ids=wids)
+
+    def check_claims(self, lease: Lease, tokens: bytes, block_ids: Sequence[int],
+                     window_ids: Sequence[int], claimed: set[int], claim: Claim) -> None:
+        """The full parts as on full attention; then each window part is the lease's own
+        (unclaimed) or the one cached at its block."""
+        super().check_claims(lease, tokens, block_ids, window_ids, claimed, claim)
+        if not window_ids:
+            return
+        cached = self.wtree.window_parts(tokens)
+        first = len(cached) - len(window_ids)
+        for i, w in enumerate(window_ids, first):
+            if w != HOLE and cached[i] != w:
+                claim(lease, w, claimed, "window part")
+
+    def _tree_insert(self, tokens: bytes, block_ids: Sequence[int], hint: int,
+                     window_ids: Sequence[int]) -> InsertResult:
+        return self.wtree.insert(tokens, block_ids, hint, window_ids=window_ids)
+
+    def evicted(self, freed: list[int]) -> tuple[list[TreeEvent], int]:
+        """`freed` holds full and window parts: the tree's own events say which were full."""
+        events = self.tree.take_events()
+        return events, sum(len(ev.block_ids) for ev in events if isinstance(ev, BlockRemoved))
+
+    def evict_windows(self, num_windows: int) -> list[int]:
+        return self.wtree.evict_windows(num_windows)
+
+    @property
+    def num_window_blocks(self) -> int:
+        return self.wtree.num_window_blocks
+
+
+def kind_of(window_blocks: int) -> type[Namespace]:
+    """The namespace kind of a pool whose layout has `window_blocks` (0: full attention)."""
+    return WindowNamespace if window_blocks else Namespace
+

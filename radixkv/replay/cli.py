@@ -1,0 +1,188 @@
+"""`radixkv replay` from the command line: its flags, what a --memory budget holds, and the run
+(radixkv.replay.runner) from parsed flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from radixkv.cli.flags import QUANTIZED_KV_DTYPES, add_policy_flag, add_sink_fraction_flag
+from radixkv.errors import InvalidArgument
+from radixkv.replay.cluster import ReplayWindow
+from radixkv.replay.report import render_report, write_plots
+from radixkv.replay.runner import DEFAULT_PREFILL_TOKENS_PER_S, MOONCAKE_BLOCK_SIZE, run_replay
+from radixkv.replay.workload import Request, generate_synthetic
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `radixkv replay` flags."""
+    p.add_argument("--trace", default="synthetic",
+                   help="a Mooncake or token JSONL file, or 'synthetic' (default)")
+    p.add_argument("--requests", type=int, default=2000, help="synthetic requests (2000)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic workload seed (0)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per block (default {MOONCAKE_BLOCK_SIZE} for Mooncake traces, "
+                   "whose hash ids are 512-token blocks; 16 otherwise)")
+    p.add_argument("--capacity-blocks", type=int, default=16384,
+                   help="cache capacity in blocks: the started service's --num-blocks (16384)")
+    p.add_argument("--memory", metavar="BYTES",
+                   help="instead of --capacity-blocks: the blocks of --preset's layout stored as "
+                   "--kv-dtype that fit in this much memory, e.g. 40GiB (sink region included)")
+    p.add_argument("--preset", default="llama-3-8b",
+                   help="the model layout --memory is counted in (default llama-3-8b)")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", *QUANTIZED_KV_DTYPES),
+                   help="the KV format --memory is counted in (default bf16)")
+    p.add_argument("--window-fraction", type=float, default=None, metavar="F",
+                   help="a sliding-window --preset (gpt-oss-like, gemma-3-like, "
+                   "mistral-7b-v0.1): the share of --memory for window parts (default: their "
+                   "share of one 4,096-token conversation); the replayed service then keeps "
+                   "window parts only for the last window of each resume point")
+    p.add_argument("--all-full", action="store_true",
+                   help="count --memory as if every layer of the preset were full attention "
+                   "(the window-unaware baseline)")
+    p.add_argument("--conversations", action="store_true",
+                   help="at the end, count the conversations (chains of prompts, each "
+                   "extending the last) whose last prompt is still cached whole")
+    add_sink_fraction_flag(p, "int8/int4: the share of sink blocks (a sequence's first block), "
+                           "as `radixkv serve` (0.125)")
+    add_policy_flag(p, " of the started service")
+    p.add_argument("--hints", action="store_true",
+                   help="send retention hints derived from the trace: the last request of each "
+                   "chain is a session end (client-supplied knowledge: it reads the future)")
+    p.add_argument("--clients", type=int, default=4, help="client processes (4)")
+    p.add_argument("--target", default=None, metavar="SOCKET|TARGET",
+                   help="replay against this running service instead of starting one (its "
+                   "block size and capacity are used)")
+    p.add_argument("--speed", type=float, default=0.0,
+                   help="follow the trace timestamps divided by this (2: twice as fast); "
+                   "0 (default): as fast as possible")
+    p.add_argument("--round-trips", type=int, choices=(2, 4), default=2,
+                   help="per request: 2 (Match also allocates, Insert also releases; default) "
+                   "or 4 (Match, Allocate, Insert, Release)")
+    g = p.add_argument_group("cluster (radixkv/replay/routing.py)")
+    g.add_argument("--nodes", type=int, default=0, metavar="N",
+                   help="start etcd, N members of --capacity-blocks each and a router, and "
+                   "replay over them (0, default: one service)")
+    g.add_argument("--router", default=None, metavar="ADDR",
+                   help="replay over a running cluster through this router instead")
+    g.add_argument("--routing", default="cache-aware",
+                   choices=("cache-aware", "session", "round-robin", "random"),
+                   help="how each request's member is chosen (cache-aware: the router's Route)")
+    g.add_argument("--kill-member-after", type=int, default=None, metavar="REQUESTS",
+                   help="SIGKILL one member (with --nodes) once this many requests are done")
+    g.add_argument("--reference", action="store_true",
+                   help="also replay on one node of N x --capacity-blocks (with --nodes) and "
+                   "report the cluster's hit rate against it")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not write and check block bytes (on by default)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
+                   help="prefill rate to turn saved tokens into TTFT (default 10,000: an "
+                   "assumed 70B-class rate, see radixkv/replay/runner.py; give your engine's)")
+    p.add_argument("--windows", type=int, default=40, help="hit-rate-over-time windows (40)")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCapacity:
+    """What a `radixkv serve --memory` pool of one layout holds."""
+
+    blocks: int  # the replayed service's capacity: blocks, or a windowed pool's full parts
+    sink_fraction: float
+    window_blocks: int = 0  # a sliding-window pool's window parts
+    note: str = ""  # for the report: how a windowed pool's memory splits
+    window: ReplayWindow | None = None  # the replayed service's window (windowed presets)
+
+
+def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
+                    sink_fraction: float, window_fraction: float | None = None,
+                    all_full: bool = False) -> MemoryCapacity:
+    """The blocks of `preset`'s layout stored as `kv_dtype` in `memory` bytes: what a
+    `radixkv serve --memory` pool of that format holds. A sliding-window preset's pool holds
+    full parts and window parts (gpu_pool.sizing.fit_window_blocks, `window_fraction` or the
+    default; quantized without sink tokens, as such a pool must be): the replay gets the full
+    parts as its blocks beside the window parts (`window`). `all_full`: count the preset as if
+    every layer were full attention (the baseline a window-unaware cache is)."""
+    from gpu_pool.layout import KVLayout, parse_bytes
+    from gpu_pool.sizing import default_window_fraction, fit_blocks, fit_window_blocks
+
+    layout = KVLayout.from_preset(preset, None, block_size)
+    if all_full:
+        layout = layout.with_window(None)
+    if kv_dtype != layout.dtype:
+        layout = layout.with_dtype(kv_dtype, 0 if layout.is_windowed else None)
+    if layout.is_windowed:
+        f = default_window_fraction(layout) if window_fraction is None else window_fraction
+        full, windows = fit_window_blocks(layout, parse_bytes(memory), f)
+        note = (f"--memory {memory} of {preset} ({kv_dtype}, sliding window "
+                f"{layout.sliding_window} on {len(layout.window_layers)} of "
+                f"{layout.num_layers} layers) holds {full:,} full parts and {windows:,} window "
+                f"parts (window fraction {f:.3f})")
+        window = ReplayWindow(layout.sliding_window or 0, windows,
+                              all_windowed=not layout.full_layers)
+        return MemoryCapacity(full, 0.0, windows, note, window)
+    blocks = fit_blocks(layout, parse_bytes(memory), sink_fraction)
+    if blocks < 1:
+        raise InvalidArgument(f"--memory {memory} holds no {kv_dtype} block of {preset}")
+    return MemoryCapacity(blocks, sink_fraction if layout.sink_tokens else 0.0)
+
+
+def _is_mooncake(path: str) -> bool:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                return "hash_ids" in json.loads(line)
+    return False
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `radixkv replay` from parsed flags."""
+    if args.trace == "synthetic":
+        n = args.requests if args.limit is None else min(args.requests, args.limit)
+        requests: list[Request] | str = generate_synthetic(n, args.seed)
+        block_size = args.block_size or 16
+    else:
+        if not Path(args.trace).is_file():
+            raise InvalidArgument(f"trace file not found: {args.trace}")
+        requests = args.trace
+        block_size = args.block_size or (MOONCAKE_BLOCK_SIZE if _is_mooncake(args.trace) else 16)
+    target = args.target
+    if target is not None and target.startswith("/"):
+        target = f"unix://{target}"
+    capacity, sink_fraction, note = args.capacity_blocks, 0.0, ""
+    window: ReplayWindow | None = None
+    if args.memory:
+        counted = memory_capacity(args.preset, args.kv_dtype, block_size, args.memory,
+                                  args.kv_sink_fraction, args.window_fraction, args.all_full)
+        capacity, sink_fraction, note = counted.blocks, counted.sink_fraction, counted.note
+        window = counted.window
+    elif args.window_fraction is not None or args.all_full:
+        raise InvalidArgument("--window-fraction and --all-full size a --memory budget")
+    report = run_replay(
+        requests, target=target, block_size=block_size, capacity_blocks=capacity,
+        sink_fraction=sink_fraction,
+        clients=args.clients, policy=args.policy, limit=args.limit, speed=args.speed,
+        verify=not args.no_verify, round_trips=args.round_trips,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        num_windows=args.windows, progress=True,
+        trace_name=args.trace, nodes=args.nodes, router=args.router, routing=args.routing,
+        kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints,
+        window=window, conversations=args.conversations)
+    if note:
+        report = replace(report, notes=(*report.notes, note))
+    paths = write_plots(report, args.plots) if args.plots else []
+    if args.json:
+        out = report.to_dict()
+        out["plots"] = [str(p) for p in paths]
+        print(json.dumps(out, indent=2))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        console.print(render_report(report))
+        for path in paths:
+            console.print(f"plot: {path}")
+    return 1 if report.mismatches else 0

@@ -1,0 +1,125 @@
+"""The values that cross between an engine and the service: a Match's and an Allocate's answers,
+an Insert's result, a tree node's snapshot, the service's figures, and the pool a client maps.
+Frozen; nothing here imports the service, the server or the index, so the client side stands on
+this alone.
+
+`InsertResult` and `NodeView` have the fields of radixkv.index.tree's (the service returns the
+tree's own; a client builds these from the wire)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_pool.base import PoolHandle
+    from gpu_pool.layout import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseMatch:
+    """A Match's answer: the lease pinning `block_ids`, which hold the first `num_tokens`."""
+
+    lease_id: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
+    new_block_ids: tuple[int, ...] = ()  # allocated for the rest (a match with store_tokens)
+    num_evicted: int = 0  # blocks evicted for new_block_ids
+    alloc_error: str = ""  # why a match with store_tokens allocated nothing
+
+
+@dataclass(frozen=True, slots=True)
+class WindowLeaseMatch(LeaseMatch):
+    """A Match's answer on a sliding-window pool (a subclass: the full-attention path builds
+    no more fields): the window parts of the last min(blocks, window_blocks) matched blocks,
+    and (store_tokens) new window parts for the last blocks of the stored range, HOLE where none
+    is needed: the new tail's last window_blocks blocks, and the blocks before the end of the
+    cached full parts whose window parts are missing (a branch point: resumable next time)."""
+
+    window_ids: tuple[int, ...] = ()
+    new_window_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Blocks leased to `lease_id`; `num_evicted` blocks were evicted to make room."""
+
+    lease_id: int
+    block_ids: tuple[int, ...]
+    num_evicted: int
+    epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
+    window_ids: tuple[int, ...] = ()  # window parts (windowed pools)
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    adopted: tuple[int, ...]  # now owned by the tree
+    duplicates: tuple[int, ...]  # a different block already caches that prefix: freed
+    num_cached_tokens: int  # tokens of the prefix that was cached before the call
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    node_id: int
+    parent_id: int | None  # None for children of the root
+    depth_tokens: int  # tokens from the root to the end of this edge
+    tokens: bytes  # this edge
+    block_ids: tuple[int, ...]
+    lock_count: int
+    hits: int
+    last_access: float  # time.time() of the last touch
+    window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    namespace: str
+    cached_blocks: int
+    nodes: int
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStats:
+    num_blocks: int
+    free_blocks: int
+    leased_blocks: int
+    cached_blocks: int
+    pinned_blocks: int
+    live_leases: int
+    expired_leases: int
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+    recent_requests: int
+    recent_query_tokens: int
+    recent_hit_tokens: int
+    evicted_blocks: int
+    uptime_s: float
+    namespaces: tuple[NamespaceStats, ...]
+    backend: str  # the pool's
+    epoch: str
+    layout: KVLayout
+    event_sequence: int = 0  # the last event published when these figures were read
+    # windowed pools: window parts (num_blocks and the block counts above count full parts)
+    window_blocks: int = 0
+    free_window_blocks: int = 0
+    cached_window_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    layout: KVLayout
+    handle: PoolHandle
+    max_tokens: int
+    max_batch: int = 0  # most queries / items / ids per call (0: an older server, unknown)
+    lease_ttl_s: float = 0.0
+    max_lease_ttl_s: float = 0.0
+
+    @property
+    def epoch(self) -> str:
+        return self.handle.epoch
