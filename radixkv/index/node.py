@@ -1,5 +1,5 @@
-"""The radix tree's nodes and match handles: internal to radixkv.index (the tree and its
-windowed subclass build and walk them); nothing outside the index holds one."""
+"""The radix tree's nodes, match handles and depth counts: internal to radixkv.index (the tree
+and its windowed subclass build and walk them); nothing outside the index holds one."""
 
 from __future__ import annotations
 
@@ -58,3 +58,28 @@ class Handle:
     def __init__(self, tree: object, node: Node, num_blocks: int, version: int) -> None:
         self.tree, self.node, self.num_blocks, self.version = tree, node, num_blocks, version
         self.num_locks = 0
+
+
+class DepthCounts:
+    """How many nodes end at each depth (in blocks), kept incrementally: the tree's max depth."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts = [0]  # [d] = nodes whose edge ends d blocks deep; no trailing zeros
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.counts) - 1
+
+    def add(self, depth: int) -> None:
+        counts = self.counts
+        if depth >= len(counts):
+            counts.extend([0] * (depth + 1 - len(counts)))
+        counts[depth] += 1
+
+    def drop(self, depth: int) -> None:
+        counts = self.counts
+        counts[depth] -= 1
+        while len(counts) > 1 and counts[-1] == 0:
+            counts.pop()

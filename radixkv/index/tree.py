@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from radixkv.errors import IntegrityError, InvalidArgument
+from radixkv.errors import InvalidArgument
 from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.hints import NO_HINT, SESSION_END, parse_hint
-from radixkv.index.node import Handle, Node
+from radixkv.index.integrity import Counters, check_block_ids, check_tree
+from radixkv.index.node import DepthCounts, Handle, Node
 from radixkv.index.policies import make_policy
 from radixkv.index.results import (
     BlockRemoved,
@@ -60,9 +61,8 @@ class RadixTree:
             raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
         self._block_size = block_size
         self._block_bytes = block_bytes(block_size)
-        self._policy: EvictionPolicy[Node] = (
-            make_policy(policy) if isinstance(policy, str) else policy
-        )
+        self._policy: EvictionPolicy[Node] = (make_policy(policy) if isinstance(policy, str)
+                                              else policy)
         if len(self._policy):
             raise InvalidArgument("the eviction policy must start empty")
         self._root = self._node_type(0, None, b"", (), 0, 0, time.time())
@@ -71,11 +71,11 @@ class RadixTree:
         self._clock = clock
         self._version = 0  # bumped by every structural change; fresh handles must match it
         # Which block ids the tree holds: one byte per id up to the largest seen (ids are pool
-        # indices). A dict from id to node cost ~60 B per cached block; this costs ~1.
+        # indices), far smaller than a dict from id to node.
         self._cached = bytearray()
         self._num_cached = 0
         self._num_nodes = self._num_locked = self._num_evicted = self._num_inserted = 0
-        self._depth_counts = [0]  # [d] = nodes whose edge ends d blocks deep; no trailing zeros
+        self._depths = DepthCounts()
         self._events: list[TreeEvent] | None = [] if record_events else None
 
     @property
@@ -109,15 +109,9 @@ class RadixTree:
         return MatchResult(len(block_ids) * self._block_size, tuple(block_ids), handle)
 
     def stats(self) -> TreeStats:
-        return TreeStats(
-            self._num_nodes,
-            self.num_cached_blocks,
-            self._num_locked,
-            self.num_evictable_blocks,
-            self._num_evicted,
-            self._num_inserted,
-            len(self._depth_counts) - 1,
-        )
+        return TreeStats(self._num_nodes, self.num_cached_blocks, self._num_locked,
+                         self.num_evictable_blocks, self._num_evicted, self._num_inserted,
+                         self._depths.max_depth)
 
     def nodes(self) -> Iterator[NodeView]:
         """A snapshot of every node but the root, depth-first pre-order."""
@@ -125,19 +119,9 @@ class RadixTree:
         while stack:
             n = stack.pop()
             parent_id = None if n.parent is self._root else n.parent.node_id
-            views.append(
-                NodeView(
-                    n.node_id,
-                    parent_id,
-                    n.depth * self._block_size,
-                    n.tokens,
-                    tuple(n.block_ids),
-                    n.lock_count,
-                    n.hits,
-                    n.last_access,
-                    tuple(getattr(n, "window_ids", ())),
-                )
-            )
+            views.append(NodeView(n.node_id, parent_id, n.depth * self._block_size, n.tokens,
+                                  tuple(n.block_ids), n.lock_count, n.hits, n.last_access,
+                                  tuple(getattr(n, "window_ids", ()))))
             stack.extend(reversed(n.children.values()))
         return iter(views)
 
@@ -210,23 +194,10 @@ class RadixTree:
         code = parse_hint(hint)
         key, bb = to_token_bytes(tokens), self._block_bytes
         num_blocks, given = len(key) // bb, list(block_ids)
-        if len(given) != num_blocks:
-            raise InvalidArgument(
-                f"got {len(given)} block ids for {num_blocks} full blocks "
-                f"({num_tokens(key)} tokens, block_size {self._block_size})"
-            )
+        check_block_ids(given, num_blocks, num_tokens(key), self._block_size)
         if not given:
             return InsertResult((), (), 0)
-        if len(set(given)) != num_blocks:
-            i = next(i for i, b in enumerate(given) if b in given[:i])
-            raise InvalidArgument(
-                f"block id {given[i]} repeated (blocks {given.index(given[i])} and {i})"
-            )
-        if min(given) < 0:
-            raise InvalidArgument(f"block ids must be >= 0, got {min(given)}")
         top = max(given)
-        if top >= 2**32:
-            raise InvalidArgument(f"block ids must be < 2**32, got {top}")
         node, k, cached = self._walk(key)
         m, held = len(cached), self._cached
         if len(held) <= top:  # grow the bitmap geometrically
@@ -253,15 +224,8 @@ class RadixTree:
         if new:
             if not node.children and node is not self._root and node.lock_count == 0:
                 self._policy.remove(node)  # stops being a leaf
-            leaf = self._node_type(
-                self._next_id,
-                node,
-                key[m * bb : num_blocks * bb],
-                tuple(new),
-                node.depth + len(new),
-                tick,
-                now,
-            )
+            leaf = self._node_type(self._next_id, node, key[m * bb : num_blocks * bb],
+                                   tuple(new), node.depth + len(new), tick, now)
             self._next_id += 1
             node.children[key[m * bb : (m + 1) * bb]] = leaf
             for b in new:
@@ -271,7 +235,7 @@ class RadixTree:
             self._policy.add(leaf)
             self._num_nodes += 1
             self._num_inserted += len(new)
-            self._add_depth(leaf.depth)
+            self._depths.add(leaf.depth)
             self._version += 1
             if self._events is not None:
                 parent_block = node.block_ids[-1] if node is not self._root else None
@@ -331,12 +295,12 @@ class RadixTree:
             for b in gone:
                 held[b] = 0
             self._num_cached -= len(gone)
-            self._drop_depth(node.depth)
+            self._depths.drop(node.depth)
             if keep:
                 node.block_ids = node.block_ids[:keep]
                 node.tokens = node.tokens[: keep * bb]
                 node.depth -= len(gone)
-                self._add_depth(node.depth)
+                self._depths.add(node.depth)
                 policy.add(node)  # same key: still the first victim
             else:
                 parent = node.parent
@@ -390,15 +354,9 @@ class RadixTree:
         node's place under its parent; `node` keeps the tail (and so its identity and end)."""
         assert 0 < k < len(node.block_ids)
         bb, parent = self._block_bytes, node.parent
-        front = self._node_type(
-            self._next_id,
-            parent,
-            node.tokens[: k * bb],
-            node.block_ids[:k],
-            parent.depth + k,
-            node.tick,
-            node.last_access,
-        )
+        front = self._node_type(self._next_id, parent, node.tokens[: k * bb],
+                                node.block_ids[:k], parent.depth + k, node.tick,
+                                node.last_access)
         self._next_id += 1
         front.lock_count, front.hits = node.lock_count, node.hits
         front.hint, front.promoted = node.hint, node.promoted
@@ -407,7 +365,7 @@ class RadixTree:
         node.parent = front
         front.children[node.tokens[:bb]] = node
         self._num_nodes += 1
-        self._add_depth(front.depth)
+        self._depths.add(front.depth)
         self._version += 1
         self._policy.touch(node)  # it holds fewer blocks now
         return front
@@ -421,74 +379,9 @@ class RadixTree:
         self._tick = self._clock() if self._clock is not None else self._tick + 1
         return self._tick
 
-    def _add_depth(self, depth: int) -> None:
-        counts = self._depth_counts
-        if depth >= len(counts):
-            counts.extend([0] * (depth + 1 - len(counts)))
-        counts[depth] += 1
-
-    def _drop_depth(self, depth: int) -> None:
-        counts = self._depth_counts
-        counts[depth] -= 1
-        while len(counts) > 1 and counts[-1] == 0:
-            counts.pop()
-
     def check_integrity(self) -> None:
-        """Recompute every invariant from scratch; IntegrityError naming the first that fails
-        (real checks: they hold under `python -O` too)."""
-
-        def fail(msg: str) -> None:
-            raise IntegrityError(msg)
-
-        root, bb = self._root, self._block_bytes
-        if root.tokens or root.block_ids or root.parent is not root or root.lock_count:
-            fail("root must hold no tokens, blocks or locks")
-        seen: dict[int, Node] = {}
-        num_nodes = num_locked = 0
-        depth_counts = [0]
-        evictable: list[Node] = []
-        stack = [root]
-        while stack:
-            parent = stack.pop()
-            child_locks = 0
-            for key, n in parent.children.items():
-                num_nodes += 1
-                nid = n.node_id
-                if n.parent is not parent or key != n.tokens[:bb]:
-                    fail(f"node {nid}: wrong parent link or child key")
-                if not n.block_ids or len(n.tokens) != len(n.block_ids) * bb:
-                    fail(f"node {nid}: {len(n.tokens)} token bytes for {len(n.block_ids)} blocks")
-                if n.depth != parent.depth + len(n.block_ids):
-                    fail(f"node {nid}: depth {n.depth} != parent's + {len(n.block_ids)}")
-                if parent is not root and n.tick > parent.tick:
-                    fail(f"node {nid}: touched after its parent")
-                for b in n.block_ids:
-                    if b in seen or not self._cached[b]:
-                        fail(f"block {b}: cached twice or missing from the block index")
-                    seen[b] = n
-                if n.lock_count < 0:
-                    fail(f"node {nid}: lock count {n.lock_count} < 0")
-                child_locks += n.lock_count
-                num_locked += len(n.block_ids) if n.lock_count else 0
-                while len(depth_counts) <= n.depth:
-                    depth_counts.append(0)
-                depth_counts[n.depth] += 1
-                if not n.children and not n.lock_count:
-                    evictable.append(n)
-                if (n in self._policy) != (not n.children and not n.lock_count):
-                    fail(f"node {nid}: evictable-leaf index out of step")
-                stack.append(n)
-            if parent is not root and child_locks > parent.lock_count:
-                fail(f"node {parent.node_id}: lock count {parent.lock_count} < children's sum")
-        if len(seen) != self._num_cached or self._cached.count(1) != self._num_cached:
-            fail(f"block index has {self._cached.count(1)} ids (counted {self._num_cached}), "
-                 f"tree holds {len(seen)}")
-        if len(evictable) != len(self._policy):
-            fail(f"policy holds {len(self._policy)} items, {len(evictable)} evictable leaves")
-        if (num_nodes, num_locked) != (self._num_nodes, self._num_locked):
-            fail(
-                f"counters (nodes, locked) {(self._num_nodes, self._num_locked)} "
-                f"!= recomputed {(num_nodes, num_locked)}"
-            )
-        if depth_counts != self._depth_counts:
-            fail(f"depth counts {self._depth_counts} != recomputed {depth_counts}")
+        """Recompute every invariant from scratch (radixkv.index.integrity); IntegrityError
+        naming the first that fails."""
+        check_tree(self._root, self._block_bytes, self._cached, self._policy,
+                   Counters(self._num_nodes, self._num_locked, self._num_cached,
+                            self._depths.counts))
