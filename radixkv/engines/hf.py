@@ -42,7 +42,6 @@ from radixkv.client import STORE_ALL, Client, Lease
 from radixkv.engines import window_cache
 from radixkv.engines.window_cache import cache_layers as cache_layers  # re-exported
 from radixkv.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVError
-from radixkv.index.window_tree import HOLE
 
 log = logging.getLogger("radixkv.engines.hf")
 
@@ -312,7 +311,8 @@ class Engine:
         open)."""
         assert self.layout is not None
         if self.layout.is_windowed:
-            return self._store_windowed(lease, tokens, cache, view)
+            return window_cache.store(self.layout, lease, tokens, cache,
+                                      lambda: self._sync(view))
         block_size = self.layout.block_size
         have = len(lease.block_ids)
         num_full = min(len(tokens) // block_size,  # longer than the pool: a prefix
@@ -333,40 +333,6 @@ class Engine:
         lease.pool().write(new, k, v)
         self._sync(view)  # the copy may be queued: complete it before Insert publishes blocks
         lease.insert(tokens[:end], lease.block_ids + new, release=True)
-        return len(new)
-
-    def _store_windowed(self, lease: Lease, tokens: list[int], cache: Any,
-                        view: torch.Tensor) -> int:
-        """`_store` on a sliding-window pool: full parts of every new block; window parts of
-        the last `window_cache.stored_window_blocks` (what a resume at the end reads) and of
-        the blocks the Match asked for (a branch point's, so that it resumes next time)."""
-        assert self.layout is not None
-        layout = self.layout
-        have = len(lease.block_ids)
-        num_full = len(tokens) // layout.block_size
-        if num_full <= have:
-            return 0
-        given, lease.new_window_ids = lease.new_window_ids, ()  # aligned to the Match's end
-        first_given = lease.window_end - len(given)
-        slots = {first_given + i: w for i, w in enumerate(given)
-                 if w != HOLE and have <= first_given + i < num_full}
-        tail = range(max(have, num_full - window_cache.stored_window_blocks(layout)), num_full)
-        missing = [i for i in tail if i not in slots]
-        wlease: window_cache.WindowLease = lease
-        try:
-            new = wlease.allocate(num_full - have)
-            if missing:
-                slots.update(zip(missing, wlease.allocate_window(len(missing)), strict=True))
-        except OutOfBlocks as e:  # every block pinned by other requests: serve uncached
-            log.warning("not caching %d blocks: %s", num_full - have, e)
-            return 0
-        first = min(slots)
-        window_ids = [slots.get(i, HOLE) for i in range(first, num_full)]
-        blocks = window_cache.extract(layout, cache, have, num_full, window_first=first)
-        window_cache.write_blocks(layout, wlease.pool(), new, window_ids, blocks)
-        self._sync(view)  # the copies may be queued: complete them before Insert publishes
-        wlease.insert(tokens[:num_full * layout.block_size], lease.block_ids + new,
-                      release=True, window_ids=window_ids)
         return len(new)
 
     @torch.inference_mode()

@@ -32,15 +32,18 @@ where the window saves memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from gpu_pool.layout import KVLayout
-from radixkv.errors import FailedPrecondition
+from radixkv.errors import FailedPrecondition, OutOfBlocks
 from radixkv.index.window_tree import HOLE
+
+log = logging.getLogger("radixkv.engines.window_cache")
 
 
 def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -221,6 +224,8 @@ class WindowLease(Protocol):
     num_tokens: int
     block_ids: tuple[int, ...]
     window_ids: tuple[int, ...]
+    new_window_ids: tuple[int, ...]  # window parts the Match allocated, ending at window_end
+    window_end: int
 
     def pool(self) -> WindowPool: ...
     def allocate(self, num_blocks: int) -> tuple[int, ...]: ...
@@ -272,3 +277,37 @@ def write_blocks(layout: KVLayout, pool: WindowPool, block_ids: Sequence[int],
                           blocks.window_v.index_select(1, rows))
     elif at:
         pool.write_window(window_ids, blocks.window_k, blocks.window_v)
+
+
+def store(layout: KVLayout, lease: WindowLease, tokens: list[int], cache: Any,
+          sync: Callable[[], None]) -> int:
+    """The engine's store on a sliding-window pool: full parts of every new block; window parts
+    of the last `stored_window_blocks` (what a resume at the end reads) and of the blocks the
+    Match asked for (a branch point's, so that it resumes next time); Insert ends the lease.
+    `sync` completes queued copies before Insert publishes them. Returns blocks written (0:
+    nothing to store, or no room: the lease is still open)."""
+    have = len(lease.block_ids)
+    num_full = len(tokens) // layout.block_size
+    if num_full <= have:
+        return 0
+    given, lease.new_window_ids = lease.new_window_ids, ()  # aligned to the Match's end
+    first_given = lease.window_end - len(given)
+    slots = {first_given + i: w for i, w in enumerate(given)
+             if w != HOLE and have <= first_given + i < num_full}
+    tail = range(max(have, num_full - stored_window_blocks(layout)), num_full)
+    missing = [i for i in tail if i not in slots]
+    try:
+        new = lease.allocate(num_full - have)
+        if missing:
+            slots.update(zip(missing, lease.allocate_window(len(missing)), strict=True))
+    except OutOfBlocks as e:  # every block pinned by other requests: serve uncached
+        log.warning("not caching %d blocks: %s", num_full - have, e)
+        return 0
+    first = min(slots)
+    window_ids = [slots.get(i, HOLE) for i in range(first, num_full)]
+    blocks = extract(layout, cache, have, num_full, window_first=first)
+    write_blocks(layout, lease.pool(), new, window_ids, blocks)
+    sync()
+    lease.insert(tokens[:num_full * layout.block_size], lease.block_ids + new, release=True,
+                 window_ids=window_ids)
+    return len(new)
