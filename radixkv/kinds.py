@@ -137,11 +137,8 @@ class Namespace:
         inserted for the rest of its life (the engine may still read it)."""
         result = self._tree_insert(tokens, block_ids, hint, window_ids)
         deque(map(lease.owned.pop, result.adopted + result.duplicates), 0)
-        if pin:
-            m = self.tree.match(tokens)
-            if m.num_tokens:
-                self.tree.lock(m.handle, hit=False)
-                lease.handles.append(m.handle)
+        if pin and (handle := self.tree.lock_inserted()) is not None:
+            lease.handles.append(handle)
         return result
 
     def _tree_insert(self, tokens: bytes, block_ids: Sequence[int], hint: int,

@@ -275,6 +275,40 @@ def rpc_latency(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def cluster_policy(r: dict[str, Any]) -> list[str]:
+    out = [f"The first {num(r['limit'])} requests of `{r['trace']}` (512-token blocks), every "
+           "hit's bytes verified; the cluster's members sit behind the cache-aware router.", ""]
+    out += table(["shape", "policy", "blocks", "token hit rate", "hit blocks verified",
+                  "mismatches"],
+                 ([row["shape"] if row["nodes"] == 1 else f"{row['nodes']} members",
+                   row["policy"], num(row["capacity_blocks"]) + (" each" if row["nodes"] > 1
+                                                                 else ""),
+                   pct(row["token_hit_rate"]), num(row["verified_blocks"]), row["mismatches"]]
+                  for row in r["rows"]))
+    c, d = r["cluster_over_one_node"], r["default_over_lru"]
+    out += ["", "Cluster over one node of the same total: " + ", ".join(
+        f"{pol} {x:.3f}x" for pol, x in c.items()) + "; the default over LRU: " + ", ".join(
+        f"{shape} {x:.3f}x" for shape, x in d.items()) + "."]
+    return out
+
+
+def compare(r: dict[str, Any]) -> list[str]:
+    out = ["`bench/compare.py BASE [HEAD]` checks both commits out into temporary worktrees and "
+           "runs the headline benches on each, alternating which goes first round by round; a "
+           "ratio is the median of the rounds' HEAD / BASE, the spread their range, and a figure "
+           f"worse than {r['threshold']:.0%} in its own direction is flagged. A change to a hot "
+           "path runs it against the commit it started from before it lands "
+           "(`python bench/compare.py <start> --benches tree,rpc,copy,ttft`; the replays take "
+           "longer). This run: HEAD "
+           f"{r['head_commit'][:7]} against BASE {r['base_commit'][:7]}, {r['rounds']} rounds.",
+           ""]
+    out += table(["bench", "figure", "better", "BASE", "HEAD", "HEAD / BASE", "spread", ""],
+                 ([f["bench"], f["figure"], f["better"], f"{f['base']:.4g}", f"{f['head']:.4g}",
+                   f"{f['ratio']:.3f}", f"{f['ratio_min']:.3f}-{f['ratio_max']:.3f}",
+                   "worse" if f["worse"] else ""] for f in r["figures"]))
+    return out
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -292,6 +326,9 @@ SECTIONS = (
     Section("kv_accuracy", "KV through the pool: perplexity on SmolLM2-135M", kv_accuracy),
     Section("swa_capacity", "Sliding-window capacity: windowed-aware against all-full",
             swa_capacity),
+    Section("cluster_policy", "Eviction on a cluster's members: the default against LRU",
+            cluster_policy),
+    Section("compare", "Comparing two commits: the regression bench", compare),
 )
 
 

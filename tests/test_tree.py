@@ -307,3 +307,21 @@ def test_bad_arguments():
     assert RadixTree(4, policy).stats().num_nodes == 0
     assert set(POLICIES) >= {"lru", "lfu"}
     assert all(make_policy(p).name == p for p in POLICIES)
+
+
+def test_lock_inserted_pins_the_inserted_path_without_a_walk():
+    tree = make_tree()
+    tree.insert(toks(1, 2), [10, 11])
+    tree.insert(toks(1, 3, tail=2), [10, 12])  # shares block 1: the edge splits
+    handle = tree.lock_inserted()
+    assert handle is not None and tree.num_locked_blocks == 2  # blocks 10 and 12
+    assert tree.evict(3) == [11]  # only the other branch can go
+    tree.unlock(handle)
+    assert tree.num_locked_blocks == 0 and sorted(tree.evict(2)) == [10, 12]
+    tree.check_integrity()
+    tree.insert(b"", [])
+    assert tree.lock_inserted() is None  # nothing inserted: nothing to pin
+    tree.insert(toks(5), [50])
+    tree.evict(1)
+    with pytest.raises(InvalidArgument, match="after another mutation"):
+        tree.lock_inserted()

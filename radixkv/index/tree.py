@@ -76,6 +76,7 @@ class RadixTree:
         self._num_cached = 0
         self._num_nodes = self._num_locked = self._num_evicted = self._num_inserted = 0
         self._depths = DepthCounts()
+        self._inserted = (self._root, -1)  # where the last insert ended, at which version
         self._events: list[TreeEvent] | None = [] if record_events else None
 
     @property
@@ -196,6 +197,7 @@ class RadixTree:
         num_blocks, given = len(key) // bb, list(block_ids)
         check_block_ids(given, num_blocks, num_tokens(key), self._block_size)
         if not given:
+            self._inserted = (self._root, self._version)
             return InsertResult((), (), 0)
         top = max(given)
         node, k, cached = self._walk(key)
@@ -247,7 +249,21 @@ class RadixTree:
             deepest.ends += 1
             if code:
                 self._give_hint(deepest, code)
+        self._inserted = (deepest, self._version)
         return InsertResult(tuple(new), tuple(duplicates), m * self._block_size)
+
+    def lock_inserted(self) -> object | None:
+        """Pin the path the last insert() covered as lock(hit=False) of a fresh match of its
+        tokens would, without a walk: the handle to unlock (None: an empty insert).
+        InvalidArgument if the tree changed since that insert."""
+        node, version = self._inserted
+        if version != self._version:
+            raise InvalidArgument("lock_inserted() after another mutation than the insert")
+        if node is self._root:
+            return None
+        handle = Handle(self, node, len(node.block_ids), version)
+        self.lock(handle, hit=False)
+        return handle
 
     def hint(self, handle: object, hint: str | int | None) -> None:
         """Give the end of a match handle's path a retention hint, which the `adaptive` policy
@@ -325,8 +341,7 @@ class RadixTree:
         """Follow `key` in whole blocks: (deepest node reached, blocks of its edge matched,
         matched block ids). The second is < the edge's blocks when the match ends inside it."""
         bb = self._block_bytes
-        end = len(key) - len(key) % bb
-        node, pos = self._root, 0
+        end, node, pos = len(key) - len(key) % bb, self._root, 0
         ids: list[int] = []
         while pos < end:
             child = node.children.get(key[pos : pos + bb])
@@ -361,8 +376,7 @@ class RadixTree:
         front.lock_count, front.hits = node.lock_count, node.hits
         front.hint, front.promoted = node.hint, node.promoted
         parent.children[node.tokens[:bb]] = front
-        node.tokens, node.block_ids = node.tokens[k * bb :], node.block_ids[k:]
-        node.parent = front
+        node.tokens, node.block_ids, node.parent = node.tokens[k * bb :], node.block_ids[k:], front
         front.children[node.tokens[:bb]] = node
         self._num_nodes += 1
         self._depths.add(front.depth)
@@ -382,6 +396,5 @@ class RadixTree:
     def check_integrity(self) -> None:
         """Recompute every invariant from scratch (radixkv.index.integrity); IntegrityError
         naming the first that fails."""
-        check_tree(self._root, self._block_bytes, self._cached, self._policy,
-                   Counters(self._num_nodes, self._num_locked, self._num_cached,
-                            self._depths.counts))
+        check_tree(self._root, self._block_bytes, self._cached, self._policy, Counters(
+            self._num_nodes, self._num_locked, self._num_cached, self._depths.counts))
