@@ -14,6 +14,14 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+def leaked_pools(before: set[str]) -> list[str]:
+    """Pool segments (<prefix>-<owner pid>-<epoch>) in /dev/shm that were not there `before`
+    and whose owner is gone: leaked. Other processes on the machine may hold live ones."""
+    new = (re.fullmatch(r"(radixkv|rkvbench)-(\d+)-\w+", n)
+           for n in set(os.listdir("/dev/shm")) - before)
+    return [m[0] for m in new if m and not os.path.exists(f"/proc/{m[2]}")]
+
+
 def run(*args: str) -> str:
     out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -60,7 +68,7 @@ def test_rpc_latency_runs_every_case():
                                    "cycle_two_over_four_1", "cycle_two_over_four_n"}
     assert len(unix["match_n_over_echo_n_by_round"]) == 1 and unix["match_n"]["calls_per_s"] > 0
     assert report["aio_unix"]["match_1"]["p50_us"] > 0
-    assert set(os.listdir("/dev/shm")) <= before
+    assert leaked_pools(before) == []
 
 
 def test_ttft_and_accuracy_benches_on_the_real_model(smollm2):
@@ -141,9 +149,10 @@ def test_compare_runs_every_bench_on_two_worktrees_and_removes_them():
     shared memory and sockets are gone afterwards."""
     repo = BENCH.parent
 
-    def worktrees() -> str:
-        return subprocess.run(["git", "-C", str(repo), "worktree", "list"], capture_output=True,
-                              text=True, check=True).stdout
+    def worktrees() -> set[str]:
+        out = subprocess.run(["git", "-C", str(repo), "worktree", "list", "--porcelain"],
+                             capture_output=True, text=True, check=True).stdout
+        return {line for line in out.splitlines() if line.startswith("worktree ")}
 
     before_trees, before_shm = worktrees(), set(os.listdir("/dev/shm"))
     out = subprocess.run([sys.executable, str(BENCH / "compare.py"), "HEAD", "HEAD", "--smoke",
@@ -161,11 +170,7 @@ def test_compare_runs_every_bench_on_two_worktrees_and_removes_them():
     assert by_bench["ttft"] == {"ratio_50"}
     assert {"replay", "cluster", "rpc", "copy"} <= set(by_bench)
     assert worktrees() == before_trees
-    # pools are named <prefix>-<owner pid>-<epoch>: one whose owner is gone was leaked (other
-    # processes on the machine may hold live ones)
-    new = (re.fullmatch(r"(radixkv|rkvbench)-(\d+)-\w+", n)
-           for n in set(os.listdir("/dev/shm")) - before_shm)
-    assert not [m[0] for m in new if m and not os.path.exists(f"/proc/{m[2]}")]
+    assert leaked_pools(before_shm) == []
 
 
 def test_compare_refuses_what_is_not_a_commit():
