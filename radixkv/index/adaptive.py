@@ -119,6 +119,7 @@ class AdaptivePolicy(EvictionPolicy[T]):
     """One tree's leaves in three lazy-deletion heaps; see the module docstring."""
 
     name = "adaptive"
+    learns = True
 
     def __init__(self, state: AdaptiveState, namespace: str = "") -> None:
         self.state = state

@@ -46,6 +46,7 @@ class EvictionPolicy(ABC, Generic[T]):
     """An ordered set of evictable leaves. `pop` removes and returns the next victim."""
 
     name: ClassVar[str]
+    learns: ClassVar[bool] = False  # wants `admit` / `evicted` (else the tree skips them)
 
     @abstractmethod
     def add(self, item: T) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from radixkv.errors import IntegrityError, InvalidArgument
 from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.node import Node
+from radixkv.tokens import TOKEN_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,18 +87,21 @@ def check_tree(root: Node, block_bytes: int, held: bytearray, policy: EvictionPo
         fail(f"depth counts {counters.depth_counts} != recomputed {depth_counts}")
 
 
-def check_block_ids(given: list[int], num_blocks: int, num_tokens: int, block_size: int) -> None:
-    """InvalidArgument unless `given` holds one distinct id in [0, 2**32) per full block."""
+def check_block_ids(given: list[int], num_blocks: int, key_bytes: int, block_size: int) -> int:
+    """InvalidArgument unless `given` holds one distinct id in [0, 2**32) per full block of a
+    `key_bytes`-long token key; returns the largest (-1 for none)."""
     if len(given) != num_blocks:
         raise InvalidArgument(f"got {len(given)} block ids for {num_blocks} full blocks "
-                              f"({num_tokens} tokens, block_size {block_size})")
+                              f"({key_bytes // TOKEN_BYTES} tokens, block_size {block_size})")
     if not given:
-        return
+        return -1
     if len(set(given)) != num_blocks:
         i = next(i for i, b in enumerate(given) if b in given[:i])
         raise InvalidArgument(
             f"block id {given[i]} repeated (blocks {given.index(given[i])} and {i})")
     if min(given) < 0:
         raise InvalidArgument(f"block ids must be >= 0, got {min(given)}")
-    if max(given) >= 2**32:
-        raise InvalidArgument(f"block ids must be < 2**32, got {max(given)}")
+    top = max(given)
+    if top >= 2**32:
+        raise InvalidArgument(f"block ids must be < 2**32, got {top}")
+    return top

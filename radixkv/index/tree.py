@@ -37,7 +37,7 @@ from radixkv.index.results import (
     TreeEvent,
     TreeStats,
 )
-from radixkv.tokens import TokensLike, block_bytes, num_tokens, to_token_bytes
+from radixkv.tokens import TokensLike, block_bytes, to_token_bytes
 
 
 class RadixTree:
@@ -192,14 +192,13 @@ class RadixTree:
         request's end on the node where it ends, and gives that node `hint` (see `hint`).
         InvalidArgument (tree unchanged) for a count mismatch, a negative or repeated id, an id
         cached at another position, or an unknown hint."""
-        code = parse_hint(hint)
+        code = NO_HINT if hint is None else parse_hint(hint)
         key, bb = to_token_bytes(tokens), self._block_bytes
         num_blocks, given = len(key) // bb, list(block_ids)
-        check_block_ids(given, num_blocks, num_tokens(key), self._block_size)
+        top = check_block_ids(given, num_blocks, len(key), self._block_size)
         if not given:
             self._inserted = (self._root, self._version)
             return InsertResult((), (), 0)
-        top = max(given)
         node, k, cached = self._walk(key)
         m, held = len(cached), self._cached
         if len(held) <= top:  # grow the bitmap geometrically
@@ -233,7 +232,8 @@ class RadixTree:
             for b in new:
                 held[b] = 1
             self._num_cached += len(new)
-            self._policy.admit(leaf, lineage)
+            if self._policy.learns:
+                self._policy.admit(leaf, lineage)
             self._policy.add(leaf)
             self._num_nodes += 1
             self._num_inserted += len(new)
@@ -253,9 +253,8 @@ class RadixTree:
         return InsertResult(tuple(new), tuple(duplicates), m * self._block_size)
 
     def lock_inserted(self) -> object | None:
-        """Pin the path the last insert() covered as lock(hit=False) of a fresh match of its
-        tokens would, without a walk: the handle to unlock (None: an empty insert).
-        InvalidArgument if the tree changed since that insert."""
+        """Pin the last insert()'s path as lock(hit=False) of a fresh match would, without a
+        walk: the handle to unlock (None: nothing inserted); InvalidArgument if changed since."""
         node, version = self._inserted
         if version != self._version:
             raise InvalidArgument("lock_inserted() after another mutation than the insert")
@@ -304,7 +303,8 @@ class RadixTree:
             leaves -= 1
             node = policy.pop()
             keep = max(0, len(node.block_ids) - (num_blocks - len(freed)))
-            policy.evicted(node, keep)
+            if policy.learns:
+                policy.evicted(node, keep)
             self._trimming(node, keep)
             gone = node.block_ids[keep:][::-1]  # tail-first
             freed += gone
