@@ -206,7 +206,7 @@ class RadixTree:
         duplicates = []
         if given[:m] != cached:
             duplicates = [g for g, c in zip(given, cached, strict=False) if g != c]
-        new = given[m:]
+        new = tuple(given[m:])
         for b in (*duplicates, *new) if duplicates else new:
             if held[b]:
                 i = next(i for i, g in enumerate(given) if held[g] and (i >= m or g != cached[i]))
@@ -226,7 +226,7 @@ class RadixTree:
             if not node.children and node is not self._root and node.lock_count == 0:
                 self._policy.remove(node)  # stops being a leaf
             leaf = self._node_type(self._next_id, node, key[m * bb : num_blocks * bb],
-                                   tuple(new), node.depth + len(new), tick, now)
+                                   new, node.depth + len(new), tick, now)
             self._next_id += 1
             node.children[key[m * bb : (m + 1) * bb]] = leaf
             for b in new:
@@ -241,7 +241,7 @@ class RadixTree:
             self._version += 1
             if self._events is not None:
                 parent_block = node.block_ids[-1] if node is not self._root else None
-                self._events.append(BlockStored(tuple(new), parent_block, leaf.tokens))
+                self._events.append(BlockStored(new, parent_block, leaf.tokens))
             deepest = leaf
         elif deepest is not self._root:
             self._policy.touch(deepest)
@@ -250,7 +250,7 @@ class RadixTree:
             if code:
                 self._give_hint(deepest, code)
         self._inserted = (deepest, self._version)
-        return InsertResult(tuple(new), tuple(duplicates), m * self._block_size)
+        return InsertResult(new, tuple(duplicates), m * self._block_size)
 
     def lock_inserted(self) -> object | None:
         """Pin the last insert()'s path as lock(hit=False) of a fresh match would, without a
