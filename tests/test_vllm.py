@@ -8,7 +8,6 @@ prefixes that B reuses, radixkv is SIGKILLed and restarted under them.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 
 from radixkv.client import Client
+from radixkv.integrations.vllm_driver import Driver
 from radixkv.server.launch import ServerProcess, start_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,59 +46,10 @@ def model_dir() -> str:
     return str(entry)
 
 
-class Engine:
-    """A vLLM driver process: JSON commands in, JSON answers out; its stderr in a file."""
-
-    def __init__(self, model: str, connector: dict[str, Any] | None, cpu: str,
-                 log: Path, extra: tuple[str, ...] = ()) -> None:
-        self.log = log
-        args = [vllm_python(), "-m", "radixkv.integrations.vllm_driver", "--model", model,
-                "--no-prefix-cache", *extra]
-        if connector is not None:
-            args += ["--connector", json.dumps(connector)]
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu, PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(log, "w"), text=True, env=env)
-        self.ready = self._read(240)
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        timer = subprocess.Popen(["sleep", str(timeout)])  # a watchdog without threads
-        try:
-            line = self.proc.stdout.readline()
-        finally:
-            timer.kill()
-            timer.wait()
-        if not line:
-            raise AssertionError(f"vLLM exited {self.proc.wait()}:\n{self.stderr()[-4000:]}")
-        return dict(json.loads(line))
-
-    def ask(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(300)
-
-    def generate(self, *prompts: list[int], max_tokens: int = 8) -> dict[str, Any]:
-        return self.ask(op="generate", prompts=list(prompts), max_tokens=max_tokens)
-
-    def external_hits(self) -> float:
-        return float(self.ask(op="metrics")["metrics"].get("vllm:external_prefix_cache_hits",
-                                                            0))
-
-    def stderr(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write('{"op": "quit"}\n')
-            self.proc.stdin.flush()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def Engine(model: str, connector: dict[str, Any] | None, cpu: str, log: Path,
+           extra: tuple[str, ...] = ()) -> Driver:
+    """A vLLM driver process without vLLM's own prefix cache (every hit is radixkv's)."""
+    return Driver(vllm_python(), model, log, connector, cpu, ("--no-prefix-cache", *extra))
 
 
 class World:
@@ -109,8 +60,8 @@ class World:
         self.dir = Path(directory)
         self.socket = str(self.dir / "rkv.sock")
         self.server: ServerProcess | None = None
-        self.a: Engine | None = None
-        self.b: Engine | None = None
+        self.a: Driver | None = None
+        self.b: Driver | None = None
         self.config = {"kv_connector": "RadixKVConnector",
                        "kv_connector_module_path": "radixkv.integrations.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -169,6 +120,7 @@ def test_layout_probe_matches_vllm_cache_write() -> None:
     """vLLM's CPU cache write (its real kernel, fp32 and bf16) lands token-major in radixkv's
     canonical block layout after ProbedPages.to_pool, and from_pool round-trips bit-exact."""
     code = r"""
+from dataclasses import replace
 import torch
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 from vllm import _custom_ops as ops
@@ -191,9 +143,15 @@ for dt in (torch.bfloat16, torch.float32):
     k, v = key.view(2, 3, B, H, D), val.view(2, 3, B, H, D)
     for j, blk in enumerate([5, 0, 3]):
         assert torch.equal(pool[blk, :, 0], k[:, j]) and torch.equal(pool[blk, :, 1], v[:, j])
-    back = [torch.zeros_like(c) for c in cache]
-    pages.from_pool(back, [4, 1, 2], pool, [5, 0, 3])
-    assert all(torch.equal(a, b) for a, b in zip(cache, back))
+    assert pages.strided is not None  # vLLM's pages are strided views of canonical blocks
+    # loads: the cache write (the default), strided views, the gather: all bit-exact
+    for way in (pages, replace(pages, write=None), replace(pages, write=None, strided=None)):
+        back = [torch.zeros_like(c) for c in cache]
+        way.from_pool(back, [4, 1, 2], pool, [5, 0, 3])
+        assert all(torch.equal(a, b) for a, b in zip(cache, back))
+    again = torch.zeros_like(pool)
+    replace(pages, strided=None).to_pool(cache, [4, 1, 2], again, [5, 0, 3])
+    assert torch.equal(again, pool)
     print(dt, isa, "ok")
 """
     out = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True,

@@ -1,5 +1,6 @@
 """A vLLM engine (`vllm.LLM`, offline) in its own process, driven over stdin/stdout: loaded once,
-asked many times (tests and bench/vllm_ttft.py run it with the vLLM venv's python).
+asked many times (tests and bench/vllm_ttft.py run it with the vLLM venv's python; `Driver` is
+the parent's side and imports no vLLM).
 
     python -m radixkv.integrations.vllm_driver --model DIR [--connector JSON] [--no-prefix-cache]
 
@@ -7,7 +8,8 @@ Each stdin line is a JSON command, answered by one JSON line on stdout (after a 
 {"ready": ...} line once the engine is up):
 
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": N}
-        -> {"outputs": [[ids...]], "cached": [num_cached_tokens...], "s": seconds}
+        -> {"outputs": [[ids...]], "cached": [num_cached_tokens...], "s": seconds,
+            "ttft": [vLLM's time to first token per request, seconds (null if not measured)]}
     {"op": "metrics"}  -> {"metrics": {name: value}} (vLLM's counters, e.g. external hits)
     {"op": "quit"}     -> exits
 """
@@ -17,13 +19,87 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import subprocess
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class Driver:
+    """The parent's side: starts the driver with `python` (the vLLM venv's), sends commands,
+    reads answers (each within a timeout); vLLM's output goes to `log`."""
+
+    def __init__(self, python: str, model: str, log: Path, connector: dict[str, Any] | None,
+                 cpu: str = "0", extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 start_timeout: float = 240.0) -> None:
+        self.log = log
+        args = [python, "-m", "radixkv.integrations.vllm_driver", "--model", model, *extra]
+        if connector is not None:
+            args += ["--connector", json.dumps(connector)]
+        repo = str(Path(__file__).resolve().parents[2])
+        full_env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu, PYTHONPATH=repo,
+                        **(env or {}))
+        self._stderr: TextIO = open(log, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, text=True, env=full_env)
+        try:
+            self.ready = self._read(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        out = self.proc.stdout
+        assert out is not None
+        ready, _, _ = select.select([out], [], [], timeout)  # answers are whole lines
+        if not ready:
+            raise AssertionError(f"vLLM gave no answer within {timeout:g} s:\n"
+                                 f"{self.stderr()[-4000:]}")
+        line = out.readline()
+        if not line:
+            raise AssertionError(f"vLLM exited {self.proc.wait()}:\n{self.stderr()[-4000:]}")
+        return dict(json.loads(line))
+
+    def ask(self, timeout: float = 300.0, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def generate(self, *prompts: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        return self.ask(op="generate", prompts=list(prompts), max_tokens=max_tokens)
+
+    def external_hits(self) -> float:
+        metrics = self.ask(op="metrics")["metrics"]
+        return float(metrics.get("vllm:external_prefix_cache_hits", 0))
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def close(self) -> None:
+        """Ask it to quit; kill it after 60 s."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+
+
+def _ttft(result: Any) -> float | None:
+    metrics = getattr(result, "metrics", None)
+    latency = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
+    return float(latency) if latency else None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--model", required=True, help="an HF folder vLLM loads")
     p.add_argument("--connector", default=None, help="kv_transfer_config as JSON")
     p.add_argument("--no-prefix-cache", action="store_true",
@@ -62,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             answer: dict[str, Any] = {
                 "outputs": [list(r.outputs[0].token_ids) for r in results],
                 "cached": [r.num_cached_tokens for r in results],
-                "s": time.perf_counter() - t}
+                "s": time.perf_counter() - t,
+                "ttft": [_ttft(r) for r in results]}
         elif op == "metrics":
             answer = {"metrics": {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                                   if hasattr(m, "value")}}
