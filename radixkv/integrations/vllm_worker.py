@@ -4,8 +4,9 @@ Loads run before the step's forward (`start_load_kv`): copy the leased blocks in
 vLLM allocated, then Release the lease. A lease that ended before (expired, or radixkv gone)
 means the blocks may have been reused: the pages are reported as failed loads and vLLM
 recomputes them (kv_load_failure_policy "recompute"). Saves run after the forward
-(`wait_for_save`): renew the lease (its blocks are still ours), copy, Insert with the lease's
-pool epoch and release; an expired lease or a restarted radixkv stores nothing.
+(`wait_for_save`): renew the lease for COPY_TTL_S (its blocks stay ours for the whole copy),
+copy, Insert with the lease's pool epoch and release; a lease that expired before (e.g. during
+the step's forward, under a short `--lease-ttl`) or a restarted radixkv stores nothing.
 
 On a CUDA pool the copies are device to device on the current stream, synchronized before the
 lease is released or the blocks inserted.
@@ -21,12 +22,15 @@ from typing import Any
 import torch
 
 from radixkv.client import Client
-from radixkv.errors import LeaseExpired, NotFound, StalePool
+from radixkv.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
 from radixkv.integrations.layout import FlashPages, LayoutError, Pages, ProbedPages, check_layers
 from radixkv.integrations.link import Down, Link
 from radixkv.integrations.vllm_scheduler import Load, Save, Stats
 
 _LAYER = re.compile(r"\.(\d+)\.")
+# A store renews its lease for this long before it writes into the lease's blocks: were the lease
+# to expire mid-copy, its blocks could go to another writer while this copy still lands in them.
+COPY_TTL_S = 30.0
 
 
 def layer_order(names: Sequence[str]) -> list[str]:
@@ -124,8 +128,11 @@ class WorkerSide:
 
             def run(client: Client, sv: Save = sv) -> bool:
                 mapping = self._mapping(client, sv.epoch)
-                try:
-                    client.keep_alive(sv.lease_id)  # ours for another TTL: safe to write
+                try:  # ours for COPY_TTL_S more (the server's cap permitting): safe to write
+                    try:
+                        client.keep_alive(sv.lease_id, ttl=COPY_TTL_S)
+                    except InvalidArgument:
+                        client.keep_alive(sv.lease_id)
                 except (LeaseExpired, NotFound):
                     return False
                 self.pages().to_pool(self.layers, sv.pages, mapping.view(), sv.new_blocks)
