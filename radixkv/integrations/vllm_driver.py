@@ -9,7 +9,8 @@ Each stdin line is a JSON command, answered by one JSON line on stdout (after a 
 
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": N}
         -> {"outputs": [[ids...]], "cached": [num_cached_tokens...], "s": seconds,
-            "ttft": [vLLM's time to first token per request, seconds (null if not measured)]}
+            "ttft": [vLLM's time to first token per request, seconds (null if not measured)],
+            "queued": [queued -> scheduled, s], "prefill": [scheduled -> first token, s]}
     {"op": "metrics"}  -> {"metrics": {name: value}} (vLLM's counters, e.g. external hits)
     {"op": "quit"}     -> exits
 """
@@ -98,6 +99,13 @@ def _ttft(result: Any) -> float | None:
     return float(latency) if latency else None
 
 
+def _span(result: Any, start: str, end: str) -> float | None:
+    """Seconds between two of vLLM's per-request engine timestamps (None if not recorded)."""
+    metrics = getattr(result, "metrics", None)
+    t0, t1 = (getattr(metrics, name, 0.0) for name in (start, end))
+    return float(t1 - t0) if t0 and t1 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--model", required=True, help="an HF folder vLLM loads")
@@ -139,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                 "outputs": [list(r.outputs[0].token_ids) for r in results],
                 "cached": [r.num_cached_tokens for r in results],
                 "s": time.perf_counter() - t,
-                "ttft": [_ttft(r) for r in results]}
+                "ttft": [_ttft(r) for r in results],
+                "queued": [_span(r, "queued_ts", "scheduled_ts") for r in results],
+                "prefill": [_span(r, "scheduled_ts", "first_token_ts") for r in results]}
         elif op == "metrics":
             answer = {"metrics": {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                                   if hasattr(m, "value")}}
