@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from radixkv.client import Client
 from radixkv.server.launch import ServerProcess, start_server
@@ -162,14 +163,8 @@ class Setup:
                 return []
             with c.lease(namespaces[0], tokens, ttl=60.0, store_tokens=0) as lease:
                 view = lease.view()
-                return [view[b].contiguous().view(-1).view(torch_uint8()).numpy().tobytes()
+                return [view[b].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                         for b in lease.block_ids]
-
-
-def torch_uint8() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 @pytest.fixture(scope="module")
