@@ -1,0 +1,326 @@
+"""vLLM's time to first token through radixkv, across two vLLM processes, for prompts sharing
+0 / 50 / 90 % of their tokens; against no cache, vLLM's own prefix cache and ExampleConnector.
+
+    .venv/bin/python bench/vllm_ttft.py --json          # ~5 min on 2 cores
+
+The engines are vLLM (CPU, `vllm.LLM`) processes of radixkv.integrations.vllm_driver, run with
+.venv-vllm's python (`scripts/bootstrap_vllm` runs first if that venv is missing), on SmolLM2
+(bf16, block size 128), all pinned to one CPU (`--cpu`) and timed one at a time; prompts are
+slices of English prose (the pydoc corpus). TTFT is vLLM's own per-request metric (arrival to
+first token). For each share and repeat, with a fresh shared prefix P and fresh suffixes sA, sB,
+sC (prompts of `--prompt-tokens`):
+
+    A   radixkv connector        P+sA, stored in radixkv at its end (all of A's prompts first,
+                                 then A exits)
+    B   radixkv connector        P+sB: loads P's whole blocks that A stored  -> TTFT radixkv
+    N   no connector, vLLM's     P+sC (N never saw P)                        -> TTFT no cache
+        prefix cache on          P+sB: P's blocks from N's own prefix cache  -> TTFT vLLM cache
+    E   ExampleConnector         P+sA (stored on disk, untimed; `sync`), P+sB -> TTFT Example
+        (vLLM's disk connector)  (it keys a whole prompt: a shared prefix is a miss, its hit
+                                 tokens show it), then P+sA again           -> its hit, for scale
+
+A, B and E run without vLLM's own prefix cache. The connector's own cost is read from B's
+`stats_file` (radixkv.integrations.vllm): the scheduler's Match plus the worker's copy into vLLM's
+pages and Release, as a share of B's TTFT; storing (Match with allocation, copy, Insert) runs
+after the first token and is reported apart. Greedy outputs (`--max-tokens`) are compared with
+E's run of P+sB, a full prefill where E missed (`outputs_identical`), and with vLLM's own prefix
+cache on the same prompt (`outputs_identical_to_vllm_prefix_cache`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import REPO, emit, radixkv_server
+
+BLOCK = 128  # vLLM's CPU block size; radixkv serves the same
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+GOALS = "90 % shared: <= 0.25x no cache and <= 1.15x vLLM's prefix cache; 50 %: < no cache; " \
+        "connector <= 5 % of TTFT; faster than ExampleConnector at every share"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def vllm_python() -> str:
+    """.venv-vllm's python, created by scripts/bootstrap_vllm if it is missing."""
+    if not VLLM_PYTHON.exists():
+        log("bench: .venv-vllm is missing: running scripts/bootstrap_vllm (a few minutes)")
+        subprocess.run(["bash", str(REPO / "scripts" / "bootstrap_vllm")], check=True)
+    return str(VLLM_PYTHON)
+
+
+class Stats:
+    """A connector's stats file (JSON lines), read as it grows."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def new(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as f:
+            f.seek(self.offset)
+            text = f.read()
+        end = text.rfind("\n") + 1  # whole lines only
+        self.offset += len(text[:end].encode())
+        return [json.loads(line) for line in text[:end].splitlines() if line]
+
+    def until_saved(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The new lines, once the request's store has run (a "save" line, or a store Match
+        with nothing new), at most `timeout` s."""
+        lines: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines += self.new()
+            if any(x["op"] == "save" or (x["op"] == "store_match" and not x["new_blocks"])
+                   for x in lines):
+                break
+            time.sleep(0.02)
+        return lines
+
+
+def prose(model: str) -> list[int]:
+    """English prose as the model's token ids (the pydoc corpus, radixkv.engines.corpus)."""
+    from transformers import AutoTokenizer
+
+    from radixkv.engines import corpus
+
+    return corpus.tokens(AutoTokenizer.from_pretrained(model))
+
+
+def ttft(answer: dict[str, Any]) -> float:
+    """vLLM's TTFT of the one request, else the call's wall time (seconds)."""
+    value = answer["ttft"][0]
+    return float(value if value is not None else answer["s"])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from radixkv.engines import models
+    from radixkv.integrations.vllm_driver import Driver
+
+    python = vllm_python()
+    model = str(models.ensure_converted(models.get_spec(models.REAL_MODEL))[0])
+    rng = random.Random(args.seed)
+    n = args.prompt_tokens
+    shares = [int(s) for s in args.shares.split(",")]
+
+    source = prose(model)
+
+    def text(count: int) -> list[int]:
+        start = rng.randrange(len(source) - count)
+        return source[start:start + count]
+
+    # (share, P+sA, P+sB, P+sC) per repeat; the first is a warm-up (not reported)
+    cases: list[tuple[int, list[int], list[int], list[int]]] = []
+    for share in [shares[-1]] + [s for s in shares for _ in range(args.repeat)]:
+        prefix, rest = text(n * share // 100), n - n * share // 100
+        pa, pb, pc = (prefix + text(rest) for _ in range(3))
+        cases.append((share, pa, pb, pc))
+    per_prompt = (n + args.max_tokens) // BLOCK + 1
+    num_blocks = 2 * per_prompt * len(cases) + 16  # A's and B's, none evicted
+    logs = Path(args.logs) if args.logs else None
+    with tempfile.TemporaryDirectory(prefix="rkv-vllm-bench-") as directory:
+        work = Path(directory)
+        logs = logs or work
+        logs.mkdir(parents=True, exist_ok=True)
+        flags = ["--model-config", f"{model}/config.json", "--dtype", "bf16",
+                 "--block-size", str(BLOCK), "--num-blocks", str(num_blocks)]
+        with radixkv_server(directory, *flags) as sock:
+            def radixkv(name: str) -> dict[str, Any]:
+                return {"kv_connector": "RadixKVConnector",
+                        "kv_connector_module_path": "radixkv.integrations.vllm",
+                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": {"socket": sock,
+                                                      "stats_file": str(work / name)}}
+
+            def engine(name: str, connector: dict[str, Any] | None,
+                       *extra: str) -> Driver:
+                t0 = time.perf_counter()
+                d = Driver(python, model, logs / f"{name}.log", connector, args.cpu,
+                           ("--max-model-len", str(n + 512), *extra))
+                log(f"bench: engine {name} up in {time.perf_counter() - t0:.0f} s")
+                return d
+
+            a = engine("A", radixkv("a.jsonl"), "--no-prefix-cache")
+            try:
+                a_stats = Stats(work / "a.jsonl")
+                for _, pa, _, _ in cases:
+                    a.generate(pa, max_tokens=args.max_tokens)
+                    a_stats.until_saved()
+            finally:
+                a.close()
+            engines: list[Driver] = []
+            try:
+                b = engine("B", radixkv("b.jsonl"), "--no-prefix-cache")
+                engines.append(b)
+                nc = engine("N", None)
+                engines.append(nc)
+                example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {
+                               "shared_storage_path": str(work / "example")}}
+                e = engine("E", example, "--no-prefix-cache")
+                engines.append(e)
+                rows = measure(args, shares, cases, b, nc, e, Stats(work / "b.jsonl"), text)
+            finally:
+                for d in engines:
+                    d.close()
+    return {"model": models.REAL_MODEL, "prompt_tokens": n, "block_size": BLOCK,
+            "repeat": args.repeat, "max_tokens": args.max_tokens, "cpu": args.cpu,
+            "seed": args.seed, "rows": rows, "goals": goals(rows), "goal_text": GOALS}
+
+
+def measure(args: argparse.Namespace, shares: list[int],
+            cases: list[tuple[int, list[int], list[int], list[int]]], b: Any, nc: Any, e: Any,
+            b_stats: Stats, text: Any) -> list[dict[str, Any]]:
+    """Each timed request comes right after a short one on the same engine (32 fresh tokens,
+    untimed), and B and N take turns to go first: the engines share one CPU, and the first
+    engine timed after the previous repeat measured 5-15 % slower on the same work."""
+    mt = args.max_tokens
+    keys = ("radixkv", "no_cache", "vllm_prefix_cache", "example", "example_same_prompt",
+            "match", "load", "store", "prefill_radixkv", "prefill_vllm_prefix_cache")
+    t: dict[int, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in shares}
+    same: dict[int, list[bool]] = {s: [] for s in shares}
+    hits: dict[int, dict[str, list[int]]] = {s: {"radixkv": [], "pc": [], "example": []}
+                                             for s in shares}
+
+    def timed(engine: Any, prompt: list[int]) -> dict[str, Any]:
+        engine.generate(text(32), max_tokens=1)
+        return dict(engine.generate(prompt, max_tokens=mt))
+
+    for i, (share, pa, pb, pc) in enumerate(cases):
+        if i % 2:  # B first in every other repeat: whichever engine runs first runs slower
+            rb = timed(b, pb)  # radixkv: P's blocks from A
+            lines = b_stats.until_saved()
+        rn = timed(nc, pc)  # no cache: N never saw P
+        rp = timed(nc, pb)  # vLLM's prefix cache: P from P+sC
+        if not i % 2:
+            rb = timed(b, pb)
+            lines = b_stats.until_saved()
+        e.generate(pa, max_tokens=mt)  # ExampleConnector stores P+sA on disk
+        os.sync()  # its files written back now, not during the next timed request
+        re_ = timed(e, pb)  # ExampleConnector: a miss unless P covers its whole-prompt key
+        rs = e.generate(pa, max_tokens=mt)  # ExampleConnector on the prompt it stored
+        os.sync()
+        log(f"bench: {share}% shared{' (warm-up)' if i == 0 else ''}: radixkv "
+            f"{ttft(rb) * 1e3:.0f} ms (hit {rb['cached'][0]}), no cache {ttft(rn) * 1e3:.0f}, "
+            f"vLLM cache {ttft(rp) * 1e3:.0f} (hit {rp['cached'][0]}), Example "
+            f"{ttft(re_) * 1e3:.0f} (hit {re_['cached'][0]})")
+        if i == 0:
+            continue
+        row = t[share]
+        for key, answer in (("radixkv", rb), ("no_cache", rn), ("vllm_prefix_cache", rp),
+                            ("example", re_), ("example_same_prompt", rs)):
+            row[key].append(ttft(answer))
+        row["prefill_radixkv"].append(rb["prefill"][0] or 0.0)
+        row["prefill_vllm_prefix_cache"].append(rp["prefill"][0] or 0.0)
+        row["match"].append(sum(x["s"] for x in lines if x["op"] == "match"))
+        row["load"].append(sum(x["s"] for x in lines if x["op"] == "load"))
+        row["store"].append(sum(x["s"] for x in lines if x["op"] in ("store_match", "save")))
+        # the reference: ExampleConnector's run of P+sB, computed in full unless it hit
+        same[share] += [rb["outputs"] == re_["outputs"], rp["outputs"] == re_["outputs"],
+                        rb["outputs"] == rp["outputs"]]
+        for key, answer in (("radixkv", rb), ("pc", rp), ("example", re_)):
+            hits[share][key].append(answer["cached"][0])
+    return [row_of(args, share, t[share], same[share], hits[share]) for share in shares]
+
+
+def row_of(args: argparse.Namespace, share: int, t: dict[str, list[float]], same: list[bool],
+           hits: dict[str, list[int]]) -> dict[str, Any]:
+    med, ratio = median_ms(t), ratio_of(t)
+    shares_of_ttft = [(m + ld) / r for m, ld, r in zip(t["match"], t["load"], t["radixkv"],
+                                                      strict=True)]
+    return {
+        "shared_pct": share, "shared_tokens": args.prompt_tokens * share // 100,
+        "radixkv_hit_tokens": min(hits["radixkv"]),
+        "vllm_prefix_cache_hit_tokens": min(hits["pc"]),
+        "example_connector_hit_tokens": max(hits["example"]),
+        "ttft_radixkv_ms": med("radixkv"), "ttft_no_cache_ms": med("no_cache"),
+        "ttft_vllm_prefix_cache_ms": med("vllm_prefix_cache"),
+        "ttft_example_connector_ms": med("example"),
+        "ttft_example_connector_same_prompt_ms": med("example_same_prompt"),
+        "ratio_vs_no_cache": ratio("no_cache"),
+        "ratio_vs_vllm_prefix_cache": ratio("vllm_prefix_cache"),
+        "ratio_vs_example_connector": ratio("example"),
+        "match_ms": med("match"), "load_copy_ms": med("load"),
+        "connector_share": statistics.median(shares_of_ttft),
+        "store_after_first_token_ms": med("store"),
+        # vLLM's scheduled -> first token (the worker's load, the forward, sampling)
+        "prefill_radixkv_ms": med("prefill_radixkv"),
+        "prefill_vllm_prefix_cache_ms": med("prefill_vllm_prefix_cache"),
+        "outputs_identical": all(same[0::3]),
+        "vllm_prefix_cache_outputs_identical": all(same[1::3]),
+        "outputs_identical_to_vllm_prefix_cache": all(same[2::3]),
+        "ttft_radixkv_each_ms": [x * 1e3 for x in t["radixkv"]],
+        "ttft_no_cache_each_ms": [x * 1e3 for x in t["no_cache"]],
+        "ttft_vllm_prefix_cache_each_ms": [x * 1e3 for x in t["vllm_prefix_cache"]]}
+
+
+def median_ms(t: dict[str, list[float]]) -> Any:
+    return lambda key: statistics.median(t[key]) * 1e3
+
+
+def ratio_of(t: dict[str, list[float]]) -> Any:
+    """Median over repeats of radixkv's TTFT over another's (measured back to back)."""
+    return lambda key: statistics.median(
+        x / y for x, y in zip(t["radixkv"], t[key], strict=True))
+
+
+def goals(rows: list[dict[str, Any]]) -> dict[str, bool]:
+    by = {r["shared_pct"]: r for r in rows}
+    out: dict[str, bool] = {}
+    if 90 in by:
+        out["90pct_ratio_vs_no_cache<=0.25"] = by[90]["ratio_vs_no_cache"] <= 0.25
+        out["90pct_ratio_vs_vllm_prefix_cache<=1.15"] = \
+            by[90]["ratio_vs_vllm_prefix_cache"] <= 1.15
+    if 50 in by:
+        out["50pct_below_no_cache"] = by[50]["ratio_vs_no_cache"] < 0.9
+    out["connector_share<=0.05"] = all(r["connector_share"] <= 0.05 for r in rows)
+    out["faster_than_example_connector"] = all(r["ratio_vs_example_connector"] < 1
+                                               for r in rows)
+    out["outputs_identical"] = all(r["outputs_identical"] for r in rows)
+    out["outputs_identical_to_vllm_prefix_cache"] = all(
+        r["outputs_identical_to_vllm_prefix_cache"] for r in rows)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens per prompt")
+    p.add_argument("--shares", default="0,50,90", help="shared prefix, %% of the prompt")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="measured prompts per share (after one warm-up prompt)")
+    p.add_argument("--max-tokens", type=int, default=8,
+                   help="greedy tokens per request (compared for outputs_identical)")
+    p.add_argument("--cpu", default="0", help="the CPU(s) every vLLM engine is pinned to "
+                   "(VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts' token ids")
+    p.add_argument("--logs", default=None, help="keep the engines' logs in this folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    report = run(args)
+    report["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        emit("vllm_ttft", report, True)
+        return
+    rows = report["rows"]
+    keys = ("ratio_vs_no_cache", "ratio_vs_vllm_prefix_cache", "ratio_vs_example_connector",
+            "connector_share", "ttft_radixkv_ms", "ttft_no_cache_ms", "outputs_identical")
+    emit("vllm_ttft", {k: {r["shared_pct"]: r[k] for r in rows} for k in keys}, False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""The scheduler side of the vLLM connector: which prefix radixkv has, and what to store.
+
+- `matched`: Match the request's tokens (whole blocks, the last token always left to compute)
+  in its namespace; the lease pins the cached blocks until the worker has copied them (`Load`).
+- `finished`: at a request's end, Match its computed tokens with allocation (the cached part is
+  pinned, blocks come for the rest) and hand the worker a `Save`: copy the new pages, Insert.
+  vLLM keeps the request's pages until the worker reports the save done (delayed free), so a
+  conversation's next turn finds its prompt and answer.
+
+radixkv down, restarting or refusing is a miss (`link.Down`), never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_pool.layout import KVLayout
+from radixkv.client import STORE_ALL, Client
+from radixkv.integrations.link import Down, LayoutMismatch, Link
+
+DTYPES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Copy pool `blocks` into vLLM `pages` (same order), then end lease `lease_id`."""
+
+    req_id: str
+    lease_id: int
+    epoch: str
+    blocks: tuple[int, ...]
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Copy vLLM `pages` into the pool's `new_blocks`, then Insert `tokens` with `blocks`
+    (the cached ones, then the new ones) and end lease `lease_id`."""
+
+    req_id: str
+    lease_id: int
+    epoch: str
+    namespace: str
+    tokens: tuple[int, ...]
+    blocks: tuple[int, ...]
+    new_blocks: tuple[int, ...]
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    lease_id: int
+    epoch: str
+    blocks: tuple[int, ...]
+    first_block: int  # blocks before this one vLLM has locally
+
+
+def engine_layout(vllm_config: Any) -> KVLayout:
+    """The KV layout radixkv's pool must have for this vLLM model (one block = one vLLM page)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    dtype = DTYPES.get(str(model.dtype))
+    if dtype is None:
+        raise LayoutMismatch(f"vLLM's model dtype {model.dtype} has no radixkv pool dtype")
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if cache_dtype not in ("auto", None):
+        raise LayoutMismatch(f"vLLM's kv_cache_dtype {cache_dtype!r} is not supported by the "
+                             "radixkv connector (use the model dtype: 'auto')")
+    return KVLayout(model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
+                    model.get_head_size(), dtype, vllm_config.cache_config.block_size)
+
+
+def serve_flags(vllm_config: Any, layout: KVLayout) -> str:
+    """`radixkv serve` flags whose pool fits `layout` (the model folder's config.json)."""
+    model = vllm_config.model_config.model
+    config = os.path.join(model, "config.json") if os.path.isdir(model) else "CONFIG.json"
+    return (f"--model-config {config} --dtype {layout.dtype} "
+            f"--block-size {layout.block_size}")
+
+
+def check_layout(client: Client, want: KVLayout, flags: str) -> None:
+    """LayoutMismatch naming both layouts and the fitting `radixkv serve` flags."""
+    have = client.pool_info().layout
+    same = (have.num_layers, have.num_kv_heads, have.head_dim, have.dtype, have.block_size) == (
+        want.num_layers, want.num_kv_heads, want.head_dim, want.dtype, want.block_size)
+    if not same or have.is_quantized or have.is_windowed:
+        raise LayoutMismatch(
+            f"radixkv's pool layout ({have.num_layers} layers, {have.num_kv_heads} kv heads x "
+            f"{have.head_dim}, {have.dtype}, block_size {have.block_size}"
+            f"{', quantized' if have.is_quantized else ''}"
+            f"{', sliding window' if have.is_windowed else ''}) does not fit this vLLM "
+            f"model's KV ({want.num_layers} layers, {want.num_kv_heads} kv heads x "
+            f"{want.head_dim}, {want.dtype}, block_size {want.block_size}): start radixkv "
+            f"with `radixkv serve {flags}`")
+
+
+def base_namespace(vllm_config: Any, configured: str | None) -> str:
+    """The configured namespace, else one naming the exact weights and KV dtype."""
+    if configured:
+        return configured
+    model = vllm_config.model_config
+    return f"vllm:{model.model}@{model.revision or 'main'}/{DTYPES.get(str(model.dtype))}"
+
+
+def request_namespace(base: str, request: Any) -> str:
+    """`base` plus the request's cache salt and LoRA adapter: those never share blocks."""
+    ns = base
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        ns += f"|salt={salt}"
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        ns += f"|lora={lora.lora_name}"
+    return ns
+
+
+class Stats:
+    """Optional JSON lines of the connector's own costs (`stats_file` in the extra config)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def record(self, **fields: Any) -> None:
+        if not self.path:
+            return
+        line = json.dumps(fields) + "\n"
+        with self._lock, open(self.path, "a") as f:
+            f.write(line)
+
+
+class SchedulerSide:
+    def __init__(self, link: Link, namespace: str, block_size: int, lease_ttl: float,
+                 stats: Stats) -> None:
+        self.link = link
+        self.namespace = namespace
+        self.block_size = block_size
+        self.lease_ttl = lease_ttl
+        self.stats = stats
+        self._pending: dict[str, Pending] = {}
+        self._loads: list[Load] = []
+        self._saves: list[Save] = []
+
+    def _release(self, lease_id: int) -> None:
+        try:
+            self.link.call(lambda c: c.release(lease_id))
+        except Down:
+            pass  # its TTL ends it
+
+    def matched(self, request: Any, num_computed: int) -> int:
+        """Tokens beyond `num_computed` that radixkv holds for this request (whole blocks,
+        never the last token); the lease stays pending until `after_alloc`."""
+        old = self._pending.pop(request.request_id, None)
+        if old is not None:
+            self._release(old.lease_id)
+        b = self.block_size
+        tokens = request.all_token_ids
+        limit = (len(tokens) - 1) // b * b
+        if limit <= num_computed:
+            return 0
+        ns = request_namespace(self.namespace, request)
+        query = list(tokens[:limit])
+        t0 = time.perf_counter()
+        try:
+            m = self.link.call(lambda c: c.match(ns, query, self.lease_ttl))
+        except Down:
+            return 0
+        self.link.note_epoch(m.epoch)
+        self.stats.record(side="scheduler", op="match", req=request.request_id,
+                          s=time.perf_counter() - t0, tokens=limit, hit=m.num_tokens)
+        found = min(m.num_tokens, limit)
+        if found <= num_computed:
+            self._release(m.lease_id)
+            return 0
+        self._pending[request.request_id] = Pending(m.lease_id, m.epoch, m.block_ids,
+                                                    num_computed // b)
+        return found - num_computed
+
+    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
+        """vLLM allocated pages for the request: plan the load of `num_external` tokens."""
+        pending = self._pending.pop(request.request_id, None)
+        if pending is None:
+            return
+        n = num_external // self.block_size
+        if n <= 0:
+            self._release(pending.lease_id)
+            return
+        first = pending.first_block
+        self._loads.append(Load(request.request_id, pending.lease_id, pending.epoch,
+                                tuple(pending.blocks[first:first + n]),
+                                tuple(block_ids[first:first + n])))
+
+    def take(self) -> tuple[list[Load], list[Save]]:
+        """This step's loads and saves (the state resets)."""
+        loads, saves = self._loads, self._saves
+        self._loads, self._saves = [], []
+        return loads, saves
+
+    def finished(self, request: Any, block_ids: Sequence[int]) -> bool:
+        """Plan storing the request's computed whole blocks that radixkv lacks; True when a
+        save is planned (vLLM then keeps the pages until the worker reports it done)."""
+        pending = self._pending.pop(request.request_id, None)
+        if pending is not None:
+            self._release(pending.lease_id)
+        if "ERROR" in str(getattr(request, "status", "")):
+            return False  # e.g. a failed load: its KV is not to be trusted
+        b = self.block_size
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        tokens = request.all_token_ids
+        n_full = min(computed, len(tokens), len(block_ids) * b) // b
+        if n_full == 0:
+            return False
+        ns = request_namespace(self.namespace, request)
+        store = [int(t) for t in tokens[:n_full * b]]
+        t0 = time.perf_counter()
+        try:
+            m = self.link.call(lambda c: c.match(ns, store, self.lease_ttl, STORE_ALL))
+        except Down:
+            return False
+        self.link.note_epoch(m.epoch)
+        k, new = len(m.block_ids), m.new_block_ids
+        self.stats.record(side="scheduler", op="store_match", req=request.request_id,
+                          s=time.perf_counter() - t0, cached_blocks=k, new_blocks=len(new))
+        if not new:
+            self._release(m.lease_id)
+            return False
+        end = (k + len(new)) * b
+        self._saves.append(Save(request.request_id, m.lease_id, m.epoch, ns,
+                                tuple(store[:end]), m.block_ids + new, new,
+                                tuple(block_ids[k:k + len(new)])))
+        return True

@@ -1,0 +1,167 @@
+"""The worker side of the vLLM connector: copies between vLLM's paged KV and radixkv's pool.
+
+Loads run before the step's forward (`start_load_kv`): copy the leased blocks into the pages
+vLLM allocated, then Release the lease. A lease that ended before (expired, or radixkv gone)
+means the blocks may have been reused: the pages are reported as failed loads and vLLM
+recomputes them (kv_load_failure_policy "recompute"). Saves run after the forward
+(`wait_for_save`): renew the lease for COPY_TTL_S (its blocks stay ours for the whole copy),
+copy, Insert with the lease's pool epoch and release; a lease that expired before (e.g. during
+the step's forward, under a short `--lease-ttl`) or a restarted radixkv stores nothing.
+
+On a CUDA pool the copies are device to device on the current stream, synchronized before the
+lease is released or the blocks inserted.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixkv.client import Client
+from radixkv.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
+from radixkv.integrations.layout import FlashPages, LayoutError, Pages, ProbedPages, check_layers
+from radixkv.integrations.link import Down, Link
+from radixkv.integrations.vllm_scheduler import Load, Save, Stats
+
+_LAYER = re.compile(r"\.(\d+)\.")
+# A store renews its lease for this long before it writes into the lease's blocks: were the lease
+# to expire mid-copy, its blocks could go to another writer while this copy still lands in them.
+COPY_TTL_S = 30.0
+
+
+def layer_order(names: Sequence[str]) -> list[str]:
+    """Layer names in model order (by the first number in the name)."""
+    def key(name: str) -> tuple[int, str]:
+        m = _LAYER.search(name)
+        return (int(m.group(1)) if m else -1, name)
+    return sorted(names, key=key)
+
+
+class WorkerSide:
+    def __init__(self, link: Link, vllm_config: Any, num_kv_heads: int, head_dim: int,
+                 block_size: int, stats: Stats) -> None:
+        self.link = link
+        self.vllm_config = vllm_config
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.stats = stats
+        self.names: list[str] = []
+        self.layers: list[torch.Tensor] = []
+        self._pages: Pages | None = None
+        self.failed_pages: set[int] = set()
+        self.sent: set[str] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.names = layer_order(list(kv_caches))
+        self.layers = [kv_caches[n] for n in self.names]
+
+    def pages(self) -> Pages:
+        """The page layout, found once (CPU pages are probed through the first layer's own
+        cache write, after vLLM has set its attention kernel up)."""
+        if self._pages is None:
+            kv = self.layers[0]
+            if kv.dim() == 5 and kv.shape[0] == 2:
+                pages: Pages = FlashPages()
+            else:
+                layer = self.vllm_config.compilation_config.static_forward_context[self.names[0]]
+
+                def write(k: torch.Tensor, v: torch.Tensor, page: torch.Tensor,
+                          slots: torch.Tensor) -> None:
+                    layer.impl.do_kv_cache_update(layer, k, v, page, slots)
+
+                pages = ProbedPages.probe(write, self.num_kv_heads, self.block_size,
+                                          self.head_dim, kv.dtype)
+            check_layers(self.layers, pages, self.num_kv_heads, self.block_size, self.head_dim)
+            self._pages = pages
+        return self._pages
+
+    def _mapping(self, client: Client, epoch: str) -> Any:
+        try:
+            return client.pool_of(epoch)
+        except StalePool:
+            if client.check_epoch():  # the scheduler saw the new epoch first: map it
+                self.link.note_epoch(epoch)
+            return client.pool_of(epoch)  # still StalePool: the lease's pool is gone
+
+    def _sync(self) -> None:
+        if self.layers and self.layers[0].is_cuda:
+            torch.cuda.current_stream(self.layers[0].device).synchronize()
+
+    def load(self, loads: Sequence[Load]) -> None:
+        """Copy each load's blocks into its pages; failed ones go to `failed_pages`."""
+        for ld in loads:
+            t0 = time.perf_counter()
+
+            def run(client: Client, ld: Load = ld) -> bool:
+                mapping = self._mapping(client, ld.epoch)
+                self.pages().from_pool(self.layers, ld.pages, mapping.view(), ld.blocks)
+                self._sync()
+                try:
+                    client.release(ld.lease_id)
+                except (LeaseExpired, NotFound):
+                    return False  # the pins ended before the copy did: blocks may be reused
+                return True
+
+            try:
+                ok = self.link.call(run)
+            except (Down, LayoutError) as e:
+                ok = False
+                if isinstance(e, LayoutError):
+                    self.link.log.error("radixkv: cannot map vLLM's KV pages: %s", e)
+            if not ok:
+                self.link.log.warning("radixkv: loading %d blocks of request %s failed; vLLM "
+                                      "recomputes them", len(ld.pages), ld.req_id)
+                self.failed_pages.update(ld.pages)
+            self.stats.record(side="worker", op="load", req=ld.req_id, ok=ok,
+                              blocks=len(ld.blocks), s=time.perf_counter() - t0)
+
+    def save(self, saves: Sequence[Save]) -> None:
+        """Copy each save's pages into its new blocks and Insert; every request is reported
+        done (`sent`) whether or not it was stored."""
+        for sv in saves:
+            t0 = time.perf_counter()
+
+            def run(client: Client, sv: Save = sv) -> bool:
+                mapping = self._mapping(client, sv.epoch)
+                try:  # ours for COPY_TTL_S more (the server's cap permitting): safe to write
+                    try:
+                        client.keep_alive(sv.lease_id, ttl=COPY_TTL_S)
+                    except InvalidArgument:
+                        client.keep_alive(sv.lease_id)
+                except (LeaseExpired, NotFound):
+                    return False
+                self.pages().to_pool(self.layers, sv.pages, mapping.view(), sv.new_blocks)
+                self._sync()
+                try:
+                    client.insert(sv.namespace, sv.tokens, sv.blocks, sv.lease_id,
+                                  epoch=sv.epoch, release=True)
+                except (LeaseExpired, NotFound, StalePool):
+                    return False
+                return True
+
+            try:
+                ok = self.link.call(run)
+            except Down:
+                ok = False
+            except LayoutError as e:
+                ok = False
+                self.link.log.error("radixkv: cannot map vLLM's KV pages: %s", e)
+            if not ok:
+                self.link.log.warning("radixkv: the KV of request %s was not stored (its lease "
+                                      "ended or radixkv is unavailable)", sv.req_id)
+            self.sent.add(sv.req_id)
+            self.stats.record(side="worker", op="save", req=sv.req_id, ok=ok,
+                              blocks=len(sv.new_blocks), s=time.perf_counter() - t0)
+
+    def take_sent(self) -> set[str]:
+        sent, self.sent = self.sent, set()
+        return sent
+
+    def take_failed(self) -> set[int]:
+        failed, self.failed_pages = self.failed_pages, set()
+        return failed

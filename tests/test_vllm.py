@@ -1,0 +1,272 @@
+"""The vLLM connector with real vLLM (CPU), a real radixkv server and the real model (SmolLM2).
+
+Two vLLM engines run in their own processes (radixkv.integrations.vllm_driver, with the vLLM
+venv's python, .venv-vllm from scripts/bootstrap_vllm), each loaded once for the module; the
+tests run in file order on one radixkv socket: B starts while radixkv is absent, A writes
+prefixes that B reuses, radixkv is SIGKILLed and restarted under them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixkv.client import Client
+from radixkv.integrations.vllm_driver import Driver
+from radixkv.server.launch import ServerProcess, start_server
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+BLOCK = 128  # vLLM's CPU block size; radixkv serves the same
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def vllm_python() -> str:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash scripts/bootstrap_vllm` (`bash "
+                    "scripts/bootstrap` runs it)")
+    return str(VLLM_PYTHON)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from radixkv.engines import models
+
+    entry, _ = models.ensure_converted(models.get_spec(models.REAL_MODEL))
+    return str(entry)
+
+
+def Engine(model: str, connector: dict[str, Any] | None, cpu: str, log: Path,
+           extra: tuple[str, ...] = ()) -> Driver:
+    """A vLLM driver process without vLLM's own prefix cache (every hit is radixkv's)."""
+    return Driver(vllm_python(), model, log, connector, cpu, ("--no-prefix-cache", *extra))
+
+
+class World:
+    """The socket, the radixkv server on it (or none), engines A and B."""
+
+    def __init__(self, model: str, directory: str) -> None:
+        self.model = model
+        self.dir = Path(directory)
+        self.socket = str(self.dir / "rkv.sock")
+        self.server: ServerProcess | None = None
+        self.a: Driver | None = None
+        self.b: Driver | None = None
+        self.config = {"kv_connector": "RadixKVConnector",
+                       "kv_connector_module_path": "radixkv.integrations.vllm",
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"socket": self.socket, "retry_s": 0.5}}
+
+    def serve(self, *flags: str) -> ServerProcess:
+        self.server = start_server(self.socket, "--model-config",
+                                   str(Path(self.model) / "config.json"), "--dtype", "bf16",
+                                   "--block-size", str(BLOCK), "--num-blocks", "96", *flags)
+        return self.server
+
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def stats(self) -> dict[str, Any]:
+        with self.client() as c:
+            return c.stats()
+
+    def cached_blocks(self) -> int:
+        return int(sum(ns["cached_blocks"] for ns in self.stats()["namespaces"]))
+
+    def hit_tokens(self) -> int:
+        return int(sum(ns["hit_tokens"] for ns in self.stats()["namespaces"]))
+
+    def wait_stored(self, blocks: int, timeout: float = 30.0) -> None:
+        """Until radixkv holds at least `blocks` blocks (saves run a step after the end)."""
+        deadline = time.monotonic() + timeout
+        while self.cached_blocks() < blocks:
+            assert time.monotonic() < deadline, f"radixkv holds {self.cached_blocks()} blocks"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def world(model_dir: str) -> Iterator[World]:
+    with tempfile.TemporaryDirectory(prefix="rkv-vllm-") as directory:
+        w = World(model_dir, directory)
+        try:
+            yield w
+        finally:
+            for engine in (w.a, w.b):
+                if engine is not None:
+                    engine.close()
+            if w.server is not None:
+                w.server.stop()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """`n` token ids of plain English-like ids, distinct per seed."""
+    return [100 + (seed * 7919 + i * 104729) % 40000 for i in range(n)]
+
+
+SYSTEM = prompt(1, 4 * BLOCK)  # a long shared system prompt: 4 blocks
+
+
+def test_layout_probe_matches_vllm_cache_write() -> None:
+    """vLLM's CPU cache write (its real kernel, fp32 and bf16) lands token-major in radixkv's
+    canonical block layout after ProbedPages.to_pool, and from_pool round-trips bit-exact."""
+    code = r"""
+from dataclasses import replace
+import torch
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from vllm import _custom_ops as ops
+from radixkv.integrations.layout import ProbedPages
+for dt in (torch.bfloat16, torch.float32):
+    H, B, D = 3, 128, 64
+    isa = _get_attn_isa(dt, B, D)
+    def write(k, v, page, slots):
+        kc, vc = page.view(page.shape[0], H, 2 * B, D).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+    pages = ProbedPages.probe(write, H, B, D, dt)
+    cache = [torch.zeros(5, H, B, 2 * D, dtype=dt) for _ in range(2)]
+    key, val = torch.randn(2, 3 * B, H, D).to(dt), torch.randn(2, 3 * B, H, D).to(dt)
+    slots = torch.cat([torch.arange(B) + p * B for p in (4, 1, 2)])
+    for l in range(2):
+        write(key[l], val[l], cache[l], slots)
+    pool = torch.zeros(6, 2, 2, B, H, D, dtype=dt)
+    pages.to_pool(cache, [4, 1, 2], pool, [5, 0, 3])
+    k, v = key.view(2, 3, B, H, D), val.view(2, 3, B, H, D)
+    for j, blk in enumerate([5, 0, 3]):
+        assert torch.equal(pool[blk, :, 0], k[:, j]) and torch.equal(pool[blk, :, 1], v[:, j])
+    assert pages.strided is not None  # vLLM's pages are strided views of canonical blocks
+    # loads: the cache write (the default), strided views, the gather: all bit-exact
+    for way in (pages, replace(pages, write=None), replace(pages, write=None, strided=None)):
+        back = [torch.zeros_like(c) for c in cache]
+        way.from_pool(back, [4, 1, 2], pool, [5, 0, 3])
+        assert all(torch.equal(a, b) for a, b in zip(cache, back))
+    again = torch.zeros_like(pool)
+    replace(pages, strided=None).to_pool(cache, [4, 1, 2], again, [5, 0, 3])
+    assert torch.equal(again, pool)
+    print(dt, isa, "ok")
+"""
+    out = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True,
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count(" ok") == 2, out.stdout
+
+
+def test_radixkv_absent_at_start_is_a_logged_fallback(world: World) -> None:
+    """B starts with no radixkv on its socket: it serves (misses) and says why."""
+    world.b = Engine(world.model, world.config, "1", world.dir / "b.log")
+    r = world.b.generate(SYSTEM + prompt(2, 50))
+    assert r["cached"] == [0] and len(r["outputs"][0]) == 8
+    assert "radixkv at" in world.b.stderr() and "unavailable" in world.b.stderr()
+
+
+def test_cross_instance_reuse(world: World) -> None:
+    """A (its own process) stores a long system prompt; B loads it from radixkv: radixkv's hit
+    counter and vLLM's external-hit count say so, and B's greedy tokens equal A's full
+    computation of the same prompt (A missed: cached 0)."""
+    world.serve()
+    world.a = Engine(world.model, world.config, "0", world.dir / "a.log")
+    first = SYSTEM + prompt(3, 60)
+    ra = world.a.generate(first)
+    assert ra["cached"] == [0]
+    world.wait_stored(4)  # the 4 system blocks (+ none of the 60-token tail)
+    time.sleep(0.6)  # B's link retries after retry_s
+    hits0, ext0 = world.hit_tokens(), world.b.external_hits()  # type: ignore[union-attr]
+    assert world.b is not None
+    rb = world.b.generate(first)
+    assert rb["cached"] == [4 * BLOCK]
+    assert rb["outputs"] == ra["outputs"]
+    # B's load Match hit the 4 blocks (its end-of-request store Match, which finds them
+    # cached and stores nothing new, counts them again)
+    assert world.hit_tokens() - hits0 >= 4 * BLOCK
+    assert world.b.external_hits() - ext0 == 4 * BLOCK
+    # another user message after the same system prompt: the prefix is reused again
+    second = SYSTEM + prompt(4, 70)
+    rb2, ra2 = world.b.generate(second), world.a.generate(second)
+    assert rb2["cached"] == [4 * BLOCK] and rb2["outputs"] == ra2["outputs"]
+
+
+def test_partial_prefix_reuses_exactly_k_blocks(world: World) -> None:
+    """A prompt sharing only its first 2 blocks with a stored 5-block one loads 2 blocks."""
+    assert world.a is not None and world.b is not None
+    stored = prompt(5, 5 * BLOCK + 10)
+    before = world.cached_blocks()
+    world.a.generate(stored, max_tokens=2)
+    world.wait_stored(before + 5)
+    partial = stored[:2 * BLOCK] + prompt(6, 3 * BLOCK)
+    hits0 = world.hit_tokens()
+    r = world.b.generate(partial)
+    assert r["cached"] == [2 * BLOCK]
+    assert world.hit_tokens() - hits0 >= 2 * BLOCK
+    assert r["outputs"] == world.a.generate(partial)["outputs"]
+
+
+def test_loaded_kv_is_really_used(world: World) -> None:
+    """Overwrite the cached blocks of a stored prompt through the client: B's output changes."""
+    assert world.a is not None and world.b is not None
+    p = prompt(7, 3 * BLOCK + 20)
+    before = world.cached_blocks()
+    clean = world.a.generate(p)["outputs"]
+    world.wait_stored(before + 3)
+    with world.client() as c:
+        ns = [n["namespace"] for n in c.stats()["namespaces"]][0]
+        with c.lease(ns, p[:3 * BLOCK], store_tokens=0) as lease:
+            assert lease.num_tokens == 3 * BLOCK
+            view = lease.view()
+            for block in lease.block_ids:
+                view[block].normal_()  # noise instead of the model's keys and values
+    r = world.b.generate(p)
+    assert r["cached"] == [3 * BLOCK]
+    assert r["outputs"] != clean
+
+
+def test_radixkv_killed_mid_run_means_misses(world: World) -> None:
+    """SIGKILL radixkv: B keeps serving (misses, a warning), the same tokens as A."""
+    assert world.a is not None and world.b is not None and world.server is not None
+    world.server.stop(signal.SIGKILL)
+    p = SYSTEM + prompt(8, 40)
+    rb, ra = world.b.generate(p), world.a.generate(p)
+    assert rb["cached"] == [0] and rb["outputs"] == ra["outputs"]
+    assert world.b.stderr().count("unavailable") >= 2  # once at start, once for this outage
+
+
+def test_radixkv_restarted_new_epoch_hits_again(world: World) -> None:
+    """radixkv restarts (a new pool epoch): the connectors remap and hit again."""
+    assert world.a is not None and world.b is not None
+    world.serve()
+    time.sleep(0.6)
+    p = SYSTEM + prompt(9, 30)
+    ra = world.a.generate(p)
+    world.wait_stored(4)
+    time.sleep(0.6)
+    rb = world.b.generate(p)
+    assert rb["cached"] == [4 * BLOCK] and rb["outputs"] == ra["outputs"]
+    assert "is back" in world.b.stderr()
+
+
+def test_layout_mismatch_is_refused(model_dir: str, tmp_path: Path) -> None:
+    """radixkv serving another layout (fp32 KV, block size 16): vLLM refuses to start, the
+    message naming both layouts and the `radixkv serve` flags that fit."""
+    sock = str(tmp_path / "s.sock")
+    server = start_server(sock, "--model-config", str(Path(model_dir) / "config.json"),
+                          "--dtype", "fp32", "--block-size", "16", "--num-blocks", "8")
+    try:
+        config = {"kv_connector": "RadixKVConnector",
+                  "kv_connector_module_path": "radixkv.integrations.vllm", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"socket": sock}}
+        with pytest.raises(AssertionError) as refused:
+            Engine(model_dir, config, "0", tmp_path / "refused.log")
+        text = str(refused.value)
+        assert "does not fit this vLLM model's KV" in text
+        assert "fp32, block_size 16" in text and "bf16, block_size 128" in text
+        assert "--dtype bf16 --block-size 128" in text
+    finally:
+        server.stop()
