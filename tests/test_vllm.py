@@ -239,13 +239,19 @@ def test_radixkv_killed_mid_run_means_misses(world: World) -> None:
 
 
 def test_radixkv_restarted_new_epoch_hits_again(world: World) -> None:
-    """radixkv restarts (a new pool epoch): the connectors remap and hit again."""
+    """radixkv restarts (a new pool epoch): the connectors remap and hit again. One request
+    each first: a link marked down retries after retry_s, and that request may still miss
+    (or store nothing) while the scheduler's and the worker's links come back."""
     assert world.a is not None and world.b is not None
     world.serve()
     time.sleep(0.6)
+    world.a.generate(prompt(19, 300))  # no shared prefix with what follows
+    world.b.generate(prompt(29, 300))
+    time.sleep(0.6)
+    before = world.cached_blocks()
     p = SYSTEM + prompt(9, 30)
     ra = world.a.generate(p)
-    world.wait_stored(4)
+    world.wait_stored(before + 4)
     time.sleep(0.6)
     rb = world.b.generate(p)
     assert rb["cached"] == [4 * BLOCK] and rb["outputs"] == ra["outputs"]
