@@ -12,6 +12,7 @@ from radixkv.cli.flags import QUANTIZED_KV_DTYPES, add_policy_flag, add_sink_fra
 from radixkv.errors import InvalidArgument
 from radixkv.replay.cluster import ReplayWindow
 from radixkv.replay.report import render_report, write_plots
+from radixkv.replay.routing import POLICIES as ROUTING_POLICIES
 from radixkv.replay.runner import DEFAULT_PREFILL_TOKENS_PER_S, MOONCAKE_BLOCK_SIZE, run_replay
 from radixkv.replay.workload import Request, generate_synthetic
 
@@ -69,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router", default=None, metavar="ADDR",
                    help="replay over a running cluster through this router instead")
     g.add_argument("--routing", default="cache-aware",
-                   choices=("cache-aware", "session", "round-robin", "random"),
+                   choices=ROUTING_POLICIES,
                    help="how each request's member is chosen (cache-aware: the router's Route)")
     g.add_argument("--kill-member-after", type=int, default=None, metavar="REQUESTS",
                    help="SIGKILL one member (with --nodes) once this many requests are done")
