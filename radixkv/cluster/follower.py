@@ -8,10 +8,13 @@
                 after the Stats read has no snapshot and takes every event after S
     lagged      (the member's replay buffer dropped events we had not read): rebuild
     new epoch   (the member restarted): the resume is refused; rebuild
-    unreachable (connect or stream error): state "unreachable", retry every second; the
-                index keeps what it had (Route skips the member until it is indexed again);
-                back: resume Events after the last sequence read (same epoch), and rebuild
-                only if that is refused (lagged, or a new epoch)
+    unreachable (connect or stream error): state "unreachable", retry; the index keeps what
+                it had (Route skips the member until it is indexed again); back: resume
+                Events after the last sequence read (same epoch), and rebuild only if that is
+                refused (lagged, or a new epoch)
+    backoff     a retry or rebuild that follows a failed one waits BACKOFF_S, doubling up to
+                MAX_BACKOFF_S, each wait drawn within +-50 % (jitter: routers do not retry in
+                step); a member that stayed indexed STABLE_S resets it
 
 The loop runs in its own thread until stop(); stop() closes the channel, which cancels the
 blocked stream.
@@ -20,6 +23,7 @@ blocked stream.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from typing import Any
@@ -33,7 +37,15 @@ from radixkv.types import NodeView
 
 log = logging.getLogger("radixkv.cluster")
 
-RETRY_S = 1.0
+BACKOFF_S = 0.1  # the first retry's wait
+MAX_BACKOFF_S = 5.0
+STABLE_S = 10.0  # indexed this long: the next failure starts the backoff over
+
+
+def backoff_s(failures: int) -> float:
+    """The wait before retry number `failures` (1, 2, ...): exponential, capped, +-50 %."""
+    base: float = min(MAX_BACKOFF_S, BACKOFF_S * 2.0 ** min(failures - 1, 16))
+    return base * random.uniform(0.5, 1.5)
 
 
 class _Resync(Exception):
@@ -73,6 +85,8 @@ class Follower:
         self._resume: tuple[str, int, dict[str, int]] | None = None  # epoch, last read, marks
         self._stop = threading.Event()
         self._kv: Client | None = None
+        self._failures = 0  # failed tries in a row (the backoff's exponent)
+        self._indexed_at: float | None = None  # when the last try reached "indexed"
         self._thread = threading.Thread(target=self._run, name=f"follow-{info.node_id}",
                                         daemon=True)
 
@@ -110,6 +124,7 @@ class Follower:
     def _run(self) -> None:
         while not self._stop.is_set():
             kv = None
+            self._indexed_at = None
             try:
                 kv = self._kv = Client(self.info.address, client_id=f"router-{id(self):x}",
                                        timeout=5.0)
@@ -121,7 +136,6 @@ class Follower:
                 self._resume = None
                 self.state, self.error = "syncing", str(e)
                 log.info("member %s: %s; rebuilding from DumpTree", self.node_id, e)
-                continue
             except (RadixKVError, ValueError) as e:
                 if self._stop.is_set():
                     break
@@ -132,7 +146,10 @@ class Follower:
             finally:
                 if kv is not None:
                     kv.close()
-            self._stop.wait(RETRY_S)
+            stable = self._indexed_at is not None \
+                and time.monotonic() - self._indexed_at >= STABLE_S
+            self._failures = 1 if stable else self._failures + 1
+            self._stop.wait(backoff_s(self._failures))
 
     def _follow(self, kv: Client) -> None:
         self.state = "syncing"
@@ -162,6 +179,7 @@ class Follower:
             raise StalePool(f"the member restarted (epoch {epoch} -> {now})")
         events = kv.events(from_sequence=after + 1, epoch=epoch)
         self.state, self.error = "indexed", ""
+        self._indexed_at = time.monotonic()
         self._apply(events, marks, after, epoch)
         if not self._stop.is_set():
             raise Unavailable("the member ended its event stream (stopping?)")
