@@ -164,6 +164,18 @@ class EventLog:
                                                                    ev.block_ids)),
                                             window_ids=ev.window_ids))
 
+    def hashes_of(self, namespace: str, block_ids: Iterable[int]) -> tuple[int, ...] | None:
+        """The chained hash of each block (as its BlockStored event carried it), None if one
+        is unknown. Called under the service's lock, so every cached block was published."""
+        with self._cond:
+            if self._queued:
+                self._hash_queued()
+            known = self._hash_of.get(namespace, {})
+            try:
+                return tuple(known[b] for b in block_ids)
+            except KeyError:
+                return None
+
     def read(self, after: int, timeout: float | None = None,
              limit: int = MAX_BATCH) -> tuple[list[KVEvent], bool]:
         """The oldest (at most `limit`) events with sequence > `after`, waiting up to `timeout`

@@ -13,10 +13,12 @@ import pytest
 from _server import BLOCK_SIZE, tiny_config_path
 from test_cluster import members, wait_for
 
+from radixkv.client import Client
 from radixkv.cluster.etcd import Etcd, EtcdTarget
 from radixkv.cluster.local import local_cluster
 from radixkv.cluster.membership import make_info, member_key
 from radixkv.cluster.routed import RouterClient
+from radixkv.errors import RadixKVError
 from radixkv.v1 import radixkv_pb2_grpc
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
@@ -28,6 +30,15 @@ NS = "chat@rev1"
 def flags(tmp_path):
     return ("--model-config", tiny_config_path(str(tmp_path)), "--block-size", str(BLOCK_SIZE),
             "--num-blocks", "64", "--log-level", "warning")
+
+
+def store_many(kv: Client, prompts: list[list[int]], namespace: str = NS) -> None:
+    """Cache `prompts` (batches of one Match with store + one Insert with release)."""
+    for i in range(0, len(prompts), 64):
+        batch = prompts[i:i + 64]
+        leases = kv.match_many([(namespace, p) for p in batch], store_tokens=1 << 30)
+        kv.insert_many([(namespace, p, m.block_ids + m.new_block_ids, m.lease_id)
+                        for p, m in zip(batch, leases, strict=True)], release=True)
 
 
 class RefusingMember(radixkv_pb2_grpc.RadixKVServicer):
@@ -67,3 +78,24 @@ def test_repeated_resyncs_back_off(flags, tmp_path):
         assert 2 <= tries <= 7, f"{tries} rebuilds in 4 s"
     finally:
         server.stop(0)
+
+
+def test_a_member_whose_tree_passes_the_message_limit_is_indexed_page_by_page(flags):
+    """The issue's case at a small scale: a member whose whole DumpTree answer is larger than
+    its message limit (64 MiB by default, 32 KiB here) was never indexed; the follower pages."""
+    small = tuple(f if f != "64" else "4096" for f in flags)
+    with local_cluster(1, *small, "--max-message-bytes", "32768") as c, \
+            RouterClient(c.router) as rc, Client(c.members["n0"].socket) as kv:
+        rc.wait_members(1)
+        store_many(kv, [[h * 1000 + i for i in range(2 * BLOCK_SIZE)] for h in range(1500)])
+        with pytest.raises(RadixKVError, match="larger than max"):  # the whole tree at once
+            kv.dump_tree(NS)
+        # a router started now has to build the index from DumpTree
+        second = c.start_router()
+        with RouterClient(second.address) as rc2:
+            rc2.wait_members(1)
+            status = wait_for(lambda: members(rc2)["n0"]["indexed_blocks"] == 3000
+                              and members(rc2)["n0"], what="all 3000 blocks indexed")
+            assert status["state"] == "indexed"
+            probe = rc2.route(NS, [7 * 1000 + i for i in range(2 * BLOCK_SIZE)], probe=True)
+            assert probe.members[0].cached_tokens == 2 * BLOCK_SIZE

@@ -1,7 +1,11 @@
 """A router's follower of one member: keeps that member's part of the ClusterIndex current.
 
     (re)build:  Stats -> namespaces + event_sequence S  (read together, under the service lock)
-                DumpTree of each namespace -> its blocks + the sequence D_ns it reflects
+                DumpTree of each namespace, page by page (a cursor; the member holds its
+                lock for one page only) -> its blocks' hashes + the sequence D_ns of the
+                first page; pages read later may hold changes after D_ns, which the events
+                after D_ns replay on top (radixkv/index/pages.py); a page over the member's
+                message limit is asked again at half the size
                 index.replace(member, blocks)
     follow:     Events from S + 1 (epoch-checked); an event of namespace ns is applied only if
                 its sequence > D_ns (else the snapshot has it already); a namespace created
@@ -40,6 +44,7 @@ log = logging.getLogger("radixkv.cluster")
 BACKOFF_S = 0.1  # the first retry's wait
 MAX_BACKOFF_S = 5.0
 STABLE_S = 10.0  # indexed this long: the next failure starts the backoff over
+PAGE_SIZE = 1024  # DumpTree nodes per page (halved while a page passes the message limit)
 
 
 def backoff_s(failures: int) -> float:
@@ -161,14 +166,43 @@ class Follower:
         for ns in st["namespaces"]:
             name = ns["namespace"]
             try:
-                nodes, marks[name] = kv.dump_tree(name)
+                blocks[name], marks[name] = self._dump(kv, name, block_size)
             except NotFound:
                 continue  # dropped since: its removal events follow
-            blocks[name] = snapshot_hashes(name, nodes, block_size)
         self.index.replace(self.node_id, blocks)
         self.epoch = epoch
         self.resyncs += 1
         self._continue(kv, epoch, after, marks)
+
+    def _dump(self, kv: Client, namespace: str, block_size: int) -> tuple[set[int], int]:
+        """Every block hash of `namespace`, paged, and the sequence of the first page.
+        NotFound if it is gone before the first page (after it: what was read is kept, its
+        removal events follow)."""
+        hashes: set[int] = set()
+        cursor, first, size = b"", -1, PAGE_SIZE
+        while not self._stop.is_set():
+            try:
+                page = kv.dump_page(namespace, cursor, size)
+            except NotFound:
+                if first < 0:
+                    raise
+                break
+            except RadixKVError as e:
+                if e.code != "RESOURCE_EXHAUSTED" or size == 1:
+                    raise
+                size //= 2  # a page of long edges passed the message limit
+                continue
+            if first < 0:
+                first = page.last_sequence
+            if page.nodes and not page.nodes[0].block_hashes and page.nodes[0].block_ids:
+                # a member that does not page answers the whole tree at once, without hashes
+                return snapshot_hashes(namespace, list(page.nodes), block_size), first
+            for n in page.nodes:
+                hashes.update(n.block_hashes)
+            if not page.next_cursor:
+                break
+            cursor = page.next_cursor
+        return hashes, first
 
     def _continue(self, kv: Client, epoch: str, after: int, marks: dict[str, int]) -> None:
         """Follow Events after sequence `after` of `epoch` (StalePool if the member has
