@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from _server import BLOCK_SIZE, tiny_config_path
-from test_cluster import members, wait_for
+from test_cluster import members, prompt, routes, wait_for
 
 from radixkv.client import Client
 from radixkv.cluster.etcd import Etcd, EtcdTarget
@@ -99,3 +99,46 @@ def test_a_member_whose_tree_passes_the_message_limit_is_indexed_page_by_page(fl
             assert status["state"] == "indexed"
             probe = rc2.route(NS, [7 * 1000 + i for i in range(2 * BLOCK_SIZE)], probe=True)
             assert probe.members[0].cached_tokens == 2 * BLOCK_SIZE
+
+
+WINDOW = ("--sliding-window", "9", "--window-layers", "0")  # window_blocks = 2 (block size 4)
+
+
+def store_windowed(kv: Client, tokens: list[int]) -> None:
+    """One request on a sliding-window member: the window parts the Match allocated (its new
+    tail's, and holes behind a resume point) go in with the blocks."""
+    with kv.lease(NS, tokens) as lease:
+        lease.insert(tokens, lease.block_ids + lease.new_block_ids, release=True,
+                     window_ids=lease.new_window_ids)
+
+
+def resumable(kv: Client, tokens: list[int]) -> int:
+    with kv.lease(NS, tokens, store_tokens=0) as lease:
+        return lease.num_tokens
+
+
+def test_sliding_window_members_are_indexed_by_what_they_can_resume(flags):
+    """A windowed member resumes a prefix only where the window parts of its last blocks are
+    still held; the router must not promise more (window stored/removed events, and window
+    parts in DumpTree)."""
+    with local_cluster(1, *flags, *WINDOW, "--num-window-blocks", "4", "--policy", "lru") as c, \
+            RouterClient(c.router) as rc, Client(c.members["n0"].socket) as kv:
+        rc.wait_members(1)
+        a, b, d = prompt(1, 3), prompt(3, 2), prompt(2, 3)
+        store_windowed(kv, a)  # window parts on a's last 2 blocks
+        store_windowed(kv, a + b)  # a's window parts now lie behind the new tail
+        store_windowed(kv, d)  # needs 2 window parts: a's old tail's are freed
+        asked = [a, a + b, d, a[:2 * BLOCK_SIZE], a[:BLOCK_SIZE] + [5] * BLOCK_SIZE]
+        want = [resumable(kv, t) for t in asked]
+        assert want[0] == 0 and want[1] == 5 * BLOCK_SIZE  # a itself: no longer resumable
+
+        def cached() -> list[int]:
+            return [dict(routes(rc, t))["n0"] for t in asked]
+
+        wait_for(lambda: cached() == want, what=f"the router to say {want} (says {cached()})")
+        # a router started now builds the same from DumpTree's window parts
+        second = c.start_router()
+        with RouterClient(second.address) as rc2:
+            rc2.wait_members(1)
+            wait_for(lambda: [dict(routes(rc2, t))["n0"] for t in asked] == want,
+                     what="the second router's index")

@@ -6,7 +6,8 @@
                 first page; pages read later may hold changes after D_ns, which the events
                 after D_ns replay on top (radixkv/index/pages.py); a page over the member's
                 message limit is asked again at half the size
-                index.replace(member, blocks)
+                index.replace(member, blocks, and on a sliding-window member the blocks whose
+                window part it holds: it resumes only where its last blocks have theirs)
     follow:     Events from S + 1 (epoch-checked); an event of namespace ns is applied only if
                 its sequence > D_ns (else the snapshot has it already); a namespace created
                 after the Stats read has no snapshot and takes every event after S
@@ -37,6 +38,7 @@ from radixkv.cluster.index import ClusterIndex
 from radixkv.cluster.membership import MemberInfo
 from radixkv.errors import InvalidArgument, NotFound, RadixKVError, StalePool, Unavailable
 from radixkv.events import chain_hashes
+from radixkv.index.window_tree import HOLE
 from radixkv.types import NodeView
 
 log = logging.getLogger("radixkv.cluster")
@@ -161,24 +163,28 @@ class Follower:
         st = kv.stats()
         epoch, after = str(st["epoch"]), int(st["event_sequence"])
         block_size = int(st["layout"]["block_size"])
+        window_blocks = kv.pool_info().layout.window_blocks
         blocks: dict[str, set[int]] = {}
+        windows: dict[str, set[int]] = {}
         marks: dict[str, int] = {}
         for ns in st["namespaces"]:
             name = ns["namespace"]
             try:
-                blocks[name], marks[name] = self._dump(kv, name, block_size)
+                blocks[name], windows[name], marks[name] = self._dump(kv, name, block_size)
             except NotFound:
                 continue  # dropped since: its removal events follow
-        self.index.replace(self.node_id, blocks)
+        self.index.replace(self.node_id, blocks, windows, window_blocks)
         self.epoch = epoch
         self.resyncs += 1
         self._continue(kv, epoch, after, marks)
 
-    def _dump(self, kv: Client, namespace: str, block_size: int) -> tuple[set[int], int]:
-        """Every block hash of `namespace`, paged, and the sequence of the first page.
-        NotFound if it is gone before the first page (after it: what was read is kept, its
-        removal events follow)."""
+    def _dump(self, kv: Client, namespace: str,
+              block_size: int) -> tuple[set[int], set[int], int]:
+        """Every block hash of `namespace`, paged, those whose window part is held, and the
+        sequence of the first page. NotFound if it is gone before the first page (after it:
+        what was read is kept, its removal events follow)."""
         hashes: set[int] = set()
+        windows: set[int] = set()
         cursor, first, size = b"", -1, PAGE_SIZE
         while not self._stop.is_set():
             try:
@@ -196,13 +202,17 @@ class Follower:
                 first = page.last_sequence
             if page.nodes and not page.nodes[0].block_hashes and page.nodes[0].block_ids:
                 # a member that does not page answers the whole tree at once, without hashes
-                return snapshot_hashes(namespace, list(page.nodes), block_size), first
+                # (nor window events: its window parts count as held)
+                held = snapshot_hashes(namespace, list(page.nodes), block_size)
+                return held, held, first
             for n in page.nodes:
                 hashes.update(n.block_hashes)
+                windows.update(h for h, w in zip(n.block_hashes, n.window_ids, strict=False)
+                               if w != HOLE)
             if not page.next_cursor:
                 break
             cursor = page.next_cursor
-        return hashes, first
+        return hashes, windows, first
 
     def _continue(self, kv: Client, epoch: str, after: int, marks: dict[str, int]) -> None:
         """Follow Events after sequence `after` of `epoch` (StalePool if the member has
@@ -236,4 +246,8 @@ class Follower:
                 index.removed(me, ev.namespace, ev.removed.block_hashes)
             elif kind == "cleared":
                 index.cleared(me, ev.namespace)
+            elif kind == "window_stored":
+                index.window_stored(me, ev.namespace, ev.window_stored.block_hashes)
+            elif kind == "window_removed":
+                index.window_removed(me, ev.namespace, ev.window_removed.block_hashes)
             self.events_applied += 1
