@@ -318,11 +318,8 @@ class KVService:
                 raise NotFound(f"namespace {namespace!r} does not exist (known: "
                                f"{', '.join(self._namespaces.names()) or 'none'})")
             tree = self._namespaces[namespace].tree
-            views, after = page(tree.root, self.block_size, cursor, page_size, max_depth)
-            nodes = []
-            for v in views:
-                hashes = self.events.hashes_of(namespace, v.block_ids)
-                nodes.append(dataclasses.replace(v, block_hashes=hashes) if hashes else v)
+            nodes, after = page(tree.root, self.block_size, cursor, page_size, max_depth,
+                                self.events.block_hashes(namespace))
             return DumpPage(tuple(nodes), self.events.last_sequence, after)
 
     def namespaces(self) -> list[str]:

@@ -15,23 +15,34 @@ Nodes cached or dropped meanwhile may or may not appear; a reader that replays t
 after the first page's sequence number ends with the tree's blocks as they are (see
 radixkv/cluster/follower.py).
 
-Each page walks from the root to the cursor, sorting the children of the nodes on that path:
-O(page + depth + fan-out x log fan-out along the path).
+Each page walks from the root to the cursor and takes, at each node on the way and below, only
+the smallest children it can still return: O(fan-out x log page) per node on the cursor's path
+and per node returned, never a sort of a wide node's every child.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import heapq
+from collections.abc import Iterable, Iterator, Mapping
 
 from radixkv.index.node import Node
 from radixkv.types import NodeView
 
 
-def view(node: Node, root: Node, block_size: int) -> NodeView:
+def view(node: Node, root: Node, block_size: int,
+         hashes: Mapping[int, int] | None = None) -> NodeView:
+    """`node` as a NodeView; with `hashes` (block id -> chained hash), its blocks' hashes too
+    (none if one is missing)."""
     parent_id = None if node.parent is root else node.parent.node_id
+    block_hashes: tuple[int, ...] = ()
+    if hashes is not None:
+        try:
+            block_hashes = tuple(map(hashes.__getitem__, node.block_ids))
+        except KeyError:
+            pass
     return NodeView(node.node_id, parent_id, node.depth * block_size, node.tokens,
                     tuple(node.block_ids), node.lock_count, node.hits, node.last_access,
-                    tuple(getattr(node, "window_ids", ())))
+                    tuple(getattr(node, "window_ids", ())), block_hashes)
 
 
 def path_of(node: Node, root: Node) -> bytes:
@@ -43,48 +54,56 @@ def path_of(node: Node, root: Node) -> bytes:
     return b"".join(reversed(parts))
 
 
-def _sorted_children(node: Node) -> list[Node]:
-    return [node.children[k] for k in sorted(node.children)]
+def _first(node: Node, keys: Iterable[bytes], n: int) -> list[Node]:
+    """The children of `node` under the `n` smallest of `keys`, in order: O(fan-out x log n),
+    no sort of a wide node's every child."""
+    return [node.children[k] for k in heapq.nsmallest(n, keys)]
 
 
-def nodes_after(root: Node, cursor: bytes, max_depth: int = 0) -> Iterator[tuple[Node, int]]:
-    """(node, its depth in edges) for every node whose path sorts after `cursor`, in order
-    (at most `max_depth` edges deep when > 0)."""
+def nodes_after(root: Node, cursor: bytes, budget: int,
+                max_depth: int = 0) -> Iterator[tuple[Node, int]]:
+    """(node, its depth in edges) for the first `budget` nodes whose path sorts after
+    `cursor`, in order (at most `max_depth` edges deep when > 0)."""
     stack: list[tuple[Node, int]] = []  # popped from the end: the next node on top
     node, at, edges = root, 0, 0
-    while True:
+    bb = len(next(iter(root.children))) if root.children else 0  # bytes per block
+    while node.children:
         rest = cursor[at:]
-        into: Node | None = None
-        later: list[Node] = []
-        for child in _sorted_children(node):
-            edge = child.tokens
-            if rest.startswith(edge):  # its path is a prefix of the cursor: look below it
-                into = child
-            elif edge > rest:
-                later.append(child)
+        key = rest[:bb]
+        later = _first(node, filter(key.__lt__, node.children), budget)  # key < theirs
+        into = None
+        same = node.children.get(key)
+        if same is not None:
+            if rest.startswith(same.tokens):  # its path is a prefix of the cursor: go below
+                into = same
+            elif same.tokens > rest:  # the first after the cursor on this level
+                later.insert(0, same)
         stack.extend((c, edges + 1) for c in reversed(later))  # shallower levels go first on
         if into is None:                                         # the stack: they come last
             break
         node, at, edges = into, at + len(into.tokens), edges + 1
-    while stack:
+    emitted = 0
+    while stack and emitted < budget:
         node, depth = stack.pop()
         if max_depth and depth > max_depth:
             continue
         yield node, depth
-        if not max_depth or depth < max_depth:
-            stack.extend((c, depth + 1) for c in reversed(_sorted_children(node)))
+        emitted += 1
+        if node.children and (not max_depth or depth < max_depth):
+            kids = _first(node, node.children, budget - emitted)
+            stack.extend((c, depth + 1) for c in reversed(kids))
 
 
-def page(root: Node, block_size: int, cursor: bytes, limit: int,
-         max_depth: int = 0) -> tuple[list[NodeView], bytes]:
+def page(root: Node, block_size: int, cursor: bytes, limit: int, max_depth: int = 0,
+         hashes: Mapping[int, int] | None = None) -> tuple[list[NodeView], bytes]:
     """Up to `limit` nodes after `cursor` (at most `max_depth` edges deep when > 0), and the
-    cursor of the next page (b"" when this one is the last)."""
+    cursor of the next page (b"" when this one is the last); `hashes`: as `view` takes."""
     out: list[NodeView] = []
     last: Node | None = None
-    for node, _ in nodes_after(root, cursor, max_depth):
+    for node, _ in nodes_after(root, cursor, limit + 1, max_depth):
         if len(out) == limit:
             assert last is not None
             return out, path_of(last, root)
-        out.append(view(node, root, block_size))
+        out.append(view(node, root, block_size, hashes))
         last = node
     return out, b""
