@@ -194,13 +194,14 @@ class Follower:
                     raise
                 break
             except RadixKVError as e:
-                if e.code != "RESOURCE_EXHAUSTED" or size == 1:
+                if "larger than max" not in str(e) or size == 1:
                     raise
                 size //= 2  # a page of long edges passed the message limit
                 continue
             if first < 0:
                 first = page.last_sequence
-            if page.nodes and not page.nodes[0].block_hashes and page.nodes[0].block_ids:
+            if not cursor and not page.next_cursor and page.nodes \
+                    and not page.nodes[0].block_hashes and page.nodes[0].block_ids:
                 # a member that does not page answers the whole tree at once, without hashes
                 # (nor window events: its window parts count as held)
                 held = snapshot_hashes(namespace, list(page.nodes), block_size)
