@@ -30,7 +30,7 @@ from radixkv.env import check_socket_dir, client_tls_ca, client_token, normalize
 from radixkv.errors import InvalidArgument, RadixKVError
 from radixkv.lease import Lease
 from radixkv.tokens import ids_from_bytes, to_token_bytes
-from radixkv.types import Allocation, InsertResult, LeaseMatch, NodeView, PoolInfo
+from radixkv.types import Allocation, DumpPage, InsertResult, LeaseMatch, NodeView, PoolInfo
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 from radixkv.wire import (
@@ -39,6 +39,7 @@ from radixkv.wire import (
     hint_codes,
     match_results,
     message_dict,
+    node_view,
     pool_info_from_pb,
     to_error,
 )
@@ -270,13 +271,22 @@ class Client:
         return int(self._call("Clear", pb.ClearRequest(namespace=namespace)).num_freed)
 
     def dump_tree(self, namespace: str, max_depth: int = 0) -> tuple[list[NodeView], int]:
+        """The whole tree at once, one snapshot (a big one may pass the message limit: page
+        it with `dump_page`) and the last event sequence it reflects."""
         resp = self._call("DumpTree", pb.DumpTreeRequest(namespace=namespace,
                                                          max_depth=max_depth))
-        nodes = [NodeView(n.node_id, n.parent_id or None, n.depth_tokens, n.tokens,
-                          tuple(n.block_ids), n.lock_count, n.hits, n.last_access,
-                          tuple(n.window_ids))
-                 for n in resp.nodes]
-        return nodes, resp.last_sequence
+        return [node_view(n) for n in resp.nodes], resp.last_sequence
+
+    def dump_page(self, namespace: str, cursor: bytes = b"", page_size: int = 1024,
+                  max_depth: int = 0) -> DumpPage:
+        """One page of the tree after `cursor` (b"": the first; then the previous page's
+        next_cursor, b"" after the last); each node carries its blocks' chained hashes. Pages
+        come from different moments (radixkv/index/pages.py)."""
+        resp = self._call("DumpTree", pb.DumpTreeRequest(namespace=namespace,
+                                                         max_depth=max_depth,
+                                                         page_size=page_size, cursor=cursor))
+        return DumpPage(tuple(node_view(n) for n in resp.nodes), resp.last_sequence,
+                        resp.next_cursor)
 
     def events(self, from_sequence: int = 0, namespace: str = "",
                timeout: float | None = None, epoch: str = "") -> Iterator[pb.Event]:

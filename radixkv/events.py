@@ -14,8 +14,9 @@ import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
@@ -163,6 +164,15 @@ class EventLog:
                                             block_hashes=tuple(map(known.__getitem__,
                                                                    ev.block_ids)),
                                             window_ids=ev.window_ids))
+
+    def block_hashes(self, namespace: str) -> Mapping[int, int]:
+        """Block id -> the chained hash its BlockStored event carried, for every cached block
+        of `namespace` (read-only). Valid while no event is published: call it under the
+        service's lock and read it before letting go."""
+        with self._cond:
+            if self._queued:
+                self._hash_queued()
+            return MappingProxyType(self._hash_of.get(namespace, {}))
 
     def read(self, after: int, timeout: float | None = None,
              limit: int = MAX_BATCH) -> tuple[list[KVEvent], bool]:

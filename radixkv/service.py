@@ -49,6 +49,7 @@ from radixkv.errors import (
     OutOfBlocks,
 )
 from radixkv.events import EventLog
+from radixkv.index.pages import page
 from radixkv.index.policies import policy_factory
 from radixkv.index.results import InsertResult, MatchResult, NodeView
 from radixkv.kinds import kind_of
@@ -56,11 +57,14 @@ from radixkv.lease_table import Lease, LeaseTable
 from radixkv.namespaces import Namespaces
 from radixkv.reclaim import Reclaimer
 from radixkv.service_config import ServiceConfig
-from radixkv.tokens import num_tokens
-from radixkv.types import Allocation, LeaseMatch, ServiceStats
+from radixkv.tokens import block_bytes, num_tokens
+from radixkv.types import Allocation, DumpPage, LeaseMatch, ServiceStats
 from radixkv.validation import InputChecks, check_namespace, hint_codes
 
 __all__ = ["KVService", "ServiceConfig"]
+
+DUMP_PAGE = 1024  # nodes per DumpTree page by default
+MAX_DUMP_PAGE = 65536  # the most one page may ask for
 
 
 class KVService:
@@ -298,6 +302,25 @@ class KVService:
                 raise NotFound(f"namespace {namespace!r} does not exist (known: "
                                f"{', '.join(self._namespaces.names()) or 'none'})")
             return self._namespaces[namespace].nodes(max_depth), self.events.last_sequence
+
+    def dump_page(self, namespace: str, cursor: bytes = b"", page_size: int = DUMP_PAGE,
+                  max_depth: int = 0) -> DumpPage:
+        """Up to `page_size` nodes of the tree after `cursor` (b"": from the start; else a
+        previous page's next_cursor), each with its blocks' chained hashes; the lock is held
+        for one page only. Pages may come from different moments (index/pages.py)."""
+        if not 1 <= page_size <= MAX_DUMP_PAGE:
+            raise InvalidArgument(f"page_size {page_size}: 1 to {MAX_DUMP_PAGE} nodes")
+        if len(cursor) % block_bytes(self.block_size):
+            raise InvalidArgument(f"cursor of {len(cursor)} bytes is not a path of whole "
+                                  f"{self.block_size}-token blocks: pass a next_cursor back")
+        with self._lock:
+            if namespace not in self._namespaces:
+                raise NotFound(f"namespace {namespace!r} does not exist (known: "
+                               f"{', '.join(self._namespaces.names()) or 'none'})")
+            tree = self._namespaces[namespace].tree
+            nodes, after = page(tree.root, self.block_size, cursor, page_size, max_depth,
+                                self.events.block_hashes(namespace))
+            return DumpPage(tuple(nodes), self.events.last_sequence, after)
 
     def namespaces(self) -> list[str]:
         with self._lock:

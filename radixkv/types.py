@@ -70,6 +70,17 @@ class NodeView:
     hits: int
     last_access: float  # time.time() of the last touch
     window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)
+    block_hashes: tuple[int, ...] = ()  # paged dumps: each block's chained hash (as events)
+
+
+@dataclass(frozen=True, slots=True)
+class DumpPage:
+    """One page of a namespace's tree (radixkv/index/pages.py says which nodes and in what
+    order): `next_cursor` asks for the next page, b"" after the last."""
+
+    nodes: tuple[NodeView, ...]
+    last_sequence: int  # events up to this number are reflected in this page
+    next_cursor: bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from gpu_pool import PoolHandle
 from gpu_pool.layout import KVLayout
 from radixkv.errors import ALL_ERRORS, InvalidArgument, RadixKVError
 from radixkv.tokens import ids_from_bytes
-from radixkv.types import LeaseMatch, PoolInfo, WindowLeaseMatch
+from radixkv.types import LeaseMatch, NodeView, PoolInfo, WindowLeaseMatch
 from radixkv.v1 import radixkv_pb2 as pb
 
 ERROR_KEY = "radixkv-error"  # trailing metadata: the class name of the error
@@ -185,3 +185,16 @@ def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
         "num_sink_blocks": r.num_sink_blocks, "num_window_blocks": r.num_window_blocks,
     })
     return PoolInfo(layout, handle, r.max_tokens, r.max_batch, r.lease_ttl_s, r.max_lease_ttl_s)
+
+
+def tree_node_pb(n: NodeView) -> pb.TreeNode:
+    return pb.TreeNode(node_id=n.node_id, parent_id=n.parent_id or 0,
+                       depth_tokens=n.depth_tokens, tokens=n.tokens, block_ids=n.block_ids,
+                       lock_count=n.lock_count, hits=n.hits, last_access=n.last_access,
+                       window_ids=n.window_ids, block_hashes=n.block_hashes)
+
+
+def node_view(n: pb.TreeNode) -> NodeView:
+    return NodeView(n.node_id, n.parent_id or None, n.depth_tokens, n.tokens,
+                    tuple(n.block_ids), n.lock_count, n.hits, n.last_access,
+                    tuple(n.window_ids), tuple(n.block_hashes))

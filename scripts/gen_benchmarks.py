@@ -176,6 +176,22 @@ def token_encoding(r: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def dump_pages(r: dict[str, Any]) -> list[str]:
+    out = ["What the service holds its lock for, in process: the whole tree at once "
+           "(`dump_tree`, a DumpTree without `page_size`) against one page "
+           f"(`dump_page`, {num(r['page_size'])} nodes), on a tree of {num(r['nodes'])} nodes "
+           f"whose root has {num(r['nodes'] // 2)} children (the worst case for a cursor, which "
+           f"must find its place among them). Medians of 5. {num(r['pages'])} pages read the "
+           "whole tree; a router's follower asks for them one after another, so other calls "
+           "wait at most one page's time.", ""]
+    out += table(["call", "under the lock, ms"],
+                 [[f"the whole tree ({num(r['nodes'])} nodes)", f"{r['whole_tree_ms']:,.0f}"],
+                  ["a page at the start / middle / end",
+                   f"{r['page_first_ms']:.1f} / {r['page_middle_ms']:.1f} / "
+                   f"{r['page_last_ms']:.1f}"]])
+    return out
+
+
 def tree_replay(r: dict[str, Any]) -> list[str]:
     m, i, mem = r["match_us"], r["insert_us"], r["memory"]
     out = [f"The radix tree alone (no service), {r['trace']} trace, {num(r['requests'])} requests, "
@@ -321,6 +337,7 @@ SECTIONS = (
     Section("policy_gap", "Eviction policies against the Belady optimum", policy_gap),
     Section("token_encoding", "Token ids on the wire", token_encoding),
     Section("rpc_latency", "The service over gRPC", rpc_latency),
+    Section("dump_pages", "DumpTree under the service lock: whole or in pages", dump_pages),
     Section("pool_copy", "Pool copies: plain and quantized gather / scatter", pool_copy),
     Section("ttft", "Time to first token", ttft),
     Section("kv_accuracy", "KV through the pool: perplexity on SmolLM2-135M", kv_accuracy),

@@ -5,7 +5,9 @@ Each call's request is one of three kinds:
     wild       every field drawn over its whole type (huge ints, random bytes, token lists
                over the limits or the message size, unknown lease ids, any string), or unset
     coherent   what an engine would send given the state so far: a known lease with its owner,
-               its namespace, its matched and allocated block ids, tokens that fit them
+               its namespace, its matched and allocated block ids, tokens that fit them; on a
+               sliding-window server also window parts: asked for in Allocate, and the
+               lease's window parts on its last blocks in Insert
     mutated    a coherent request with one field (top level or inside a repeated item)
                replaced by a wild value: the near misses (a foreign lease, a namespace of
                another lease, one block id too many, a repeated id, one token over the vocab)
@@ -30,6 +32,7 @@ from hypothesis import strategies as st
 from radixkv.v1 import radixkv_pb2 as pb
 
 NUM_BLOCKS = 32
+NUM_WINDOWS = 16  # window parts of the sliding-window server (ids NUM_BLOCKS and up)
 MAX_TOKENS = 1024
 MAX_MESSAGE = 64 << 10
 SERVICE = pb.DESCRIPTOR.services_by_name["RadixKV"]
@@ -47,12 +50,14 @@ class LeaseInfo:
     tokens: bytes = b""  # the matched query (its first len(matched) blocks are cached)
     matched: tuple[int, ...] = ()
     allocated: list[int] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)  # window parts allocated (HOLE: none)
 
 
 @dataclass
 class Known:
     """Leases and block ids that answers in this example named."""
 
+    windowed: bool = False  # the server's pool has window parts (sliding window)
     leases: dict[int, LeaseInfo] = field(default_factory=dict)  # live, in the order named
     released: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # in the order named
@@ -75,19 +80,23 @@ def learn(known: Known, method: str, request: Any, answer: Any) -> None:
     if method == "Match":
         for q, r in zip(request.queries, answer.results, strict=True):
             known.leases[r.lease_id] = LeaseInfo(owner, q.namespace, q.tokens,
-                                                 unpack(r.block_ids))
+                                                 unpack(r.block_ids),
+                                                 list(unpack(r.new_block_ids)),
+                                                 list(unpack(r.new_window_ids)))
     elif method == "Allocate":
         ids = unpack(answer.block_ids)
         lease = known.leases.get(answer.lease_id)
         if lease is None:
             lease = known.leases[answer.lease_id] = LeaseInfo(owner, request.namespace)
         lease.allocated += ids
+        lease.windows += unpack(answer.window_ids)
     elif method == "Insert":
         for item, r in zip(request.items, answer.results, strict=True):
             lease = known.leases.get(item.lease_id)
             if lease is not None:  # now pins the inserted path; the rest was freed
                 used = set(unpack(r.adopted) + unpack(r.duplicates))
                 lease.allocated = [b for b in lease.allocated if b not in used]
+                lease.windows = [w for w in lease.windows if w not in used]
                 lease.tokens, lease.matched = b"", ()
     elif method == "Release":
         for lease_id in dict.fromkeys(request.lease_ids):
@@ -102,7 +111,8 @@ def _learn_by_name(known: Known, owner: str, answer: Any) -> None:
         if f.type == FD.TYPE_MESSAGE:
             for sub in (value if f.is_repeated else [value]):
                 _learn_by_name(known, owner, sub)
-        elif f.type == FD.TYPE_BYTES and ("block" in f.name or f.name == "adopted"):
+        elif f.type == FD.TYPE_BYTES and ("block" in f.name or "window" in f.name
+                                          or f.name == "adopted"):
             known.add_blocks(unpack(value))
         elif (f.name == "lease_id" and value and value not in known.leases
               and value not in known.released):
@@ -187,7 +197,7 @@ def wild_value(f: FD, depth: int) -> st.SearchStrategy[Any]:
     if t == FD.TYPE_BYTES:
         if name == "tokens":
             return wild_tokens
-        return wild_block_ids if "block" in name else st.binary(max_size=40)
+        return wild_block_ids if "block" in name or "window" in name else st.binary(max_size=40)
     if t == FD.TYPE_BOOL:
         return st.booleans()
     if t in (FD.TYPE_UINT64, FD.TYPE_FIXED64):
@@ -253,19 +263,20 @@ def coherent_match() -> st.SearchStrategy[Make]:
 
 
 def coherent_allocate() -> st.SearchStrategy[Make]:
-    def make(own: bool, i: int, blank: bool, n: int, client: str, ns: str) -> Make:
+    def make(own: bool, i: int, blank: bool, n: int, client: str, ns: str, w: int) -> Make:
         def plan(known: Known) -> Plan:
             ids = list(known.leases)
+            windows = {"num_window_blocks": w} if known.windowed else {}
             if own and ids:
                 lease_id = ids[i % len(ids)]
                 lease = known.leases[lease_id]
                 return {"client_id": lease.owner, "lease_id": lease_id, "num_blocks": n,
-                        "namespace": "" if blank else lease.namespace}
-            return {"client_id": client, "namespace": ns, "num_blocks": n}
+                        "namespace": "" if blank else lease.namespace, **windows}
+            return {"client_id": client, "namespace": ns, "num_blocks": n, **windows}
         return plan
 
     return st.builds(make, st.booleans(), indices, st.booleans(), st.integers(1, 6), clients,
-                     spaces)
+                     spaces, st.integers(0, 3))
 
 
 def coherent_insert() -> st.SearchStrategy[Make]:
@@ -293,9 +304,13 @@ def coherent_insert() -> st.SearchStrategy[Make]:
                 body = (list(body) + [BLOCKS[0]] * len(new))[: len(new)]
                 prefix = lease.tokens[: len(lease.matched) * BLOCK_SIZE * 4]
                 tokens = prefix + pack(flat(body) + tail)
-                out.append({"lease_id": lease_id, "namespace": lease.namespace,
-                            "tokens": tokens or pack([5]),
-                            "block_ids": pack([*lease.matched, *new])})
+                item = {"lease_id": lease_id, "namespace": lease.namespace,
+                        "tokens": tokens or pack([5]), "block_ids": pack([*lease.matched, *new])}
+                if known.windowed and lease.windows:  # on the last blocks, as many as fit
+                    wins = lease.windows[-(len(lease.matched) + len(new)):] \
+                        if lease.matched or new else []
+                    item["window_ids"] = pack(wins[k % 2:] if k % 5 == 0 else wins)
+                out.append(item)
             return {"client_id": owner, "items": out}
         return plan
 

@@ -14,6 +14,7 @@ from radixkv.cluster.membership import MemberInfo, check_node_id
 from radixkv.errors import InvalidArgument
 from radixkv.events import EventLog, chain_hashes
 from radixkv.index.tree import RadixTree
+from radixkv.index.window_tree import WindowedRadixTree
 from radixkv.tokens import to_token_bytes
 
 BS = 4
@@ -143,3 +144,45 @@ def test_batched_event_hashes_equal_chain_hashes(steps, batch, reads):
     for ev in got:
         if ev.kind in ("stored", "removed"):
             assert ev.block_hashes == tuple(expect_stored[ev.namespace, b] for b in ev.block_ids)
+
+
+@settings(max_examples=80, deadline=None)
+@given(wb=st.integers(1, 3),
+       steps=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6),
+                                st.integers(0, 6), st.integers(0, 3), st.integers(0, 3)),
+                      min_size=1, max_size=20))
+def test_a_window_members_index_answers_what_its_tree_resumes(wb, steps):
+    """A sliding-window tree under inserts (window parts on a random tail), evictions of
+    leaves and of window parts alone; the index fed by its events answers, for every prefix
+    asked, the depth the tree's own match resumes at."""
+    tree, log, index = WindowedRadixTree(BS, wb), EventLog(BS), ClusterIndex()
+    index.replace("m", {}, {}, window_blocks=wb)
+    next_id, next_win, read, asked = 0, 1 << 20, 0, []
+    for blocks, tail, evict, evict_windows in steps:
+        tokens = toks(*[t for b in blocks for t in (b, b, b, b)])
+        asked.append(tokens)
+        ids = list(range(next_id, next_id + len(blocks)))
+        next_id += len(blocks)
+        k = min(tail, len(blocks))
+        wins = list(range(next_win, next_win + k))
+        next_win += k
+        tree.insert(tokens, ids, window_ids=wins)
+        tree.evict(evict)
+        tree.evict_windows(evict_windows)
+        log.publish("ns", tree.take_events())
+        events, _ = log.read(read, limit=1 << 20)
+        for ev in events:
+            read = ev.sequence
+            if ev.kind == "stored":
+                index.stored("m", "ns", ev.block_hashes)
+            elif ev.kind == "removed":
+                index.removed("m", "ns", ev.block_hashes)
+            elif ev.kind == "window_stored":
+                index.window_stored("m", "ns", ev.block_hashes)
+            elif ev.kind == "window_removed":
+                index.window_removed("m", "ns", ev.block_hashes)
+        for t in asked:
+            for cut in range(BS * 4, len(t) + 1, BS * 4):
+                want = tree.match(t[:cut]).num_tokens // BS
+                got = index.cached_blocks("ns", chain_hashes("ns", t[:cut], BS), ["m"])["m"]
+                assert got == want, (t[:cut], got, want)

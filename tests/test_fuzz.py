@@ -8,6 +8,9 @@ are released and the server must still serve and pass its integrity check.
     RADIXKV_FUZZ_PROFILE=thorough .venv/bin/python -m pytest -q tests/test_fuzz.py  # 2,000 each
     ... --hypothesis-show-statistics   # which method answered which status, how often
 
+The two fuzz tests run against a plain pool and against a sliding-window pool (window parts
+beside the full blocks: Match, Allocate and Insert carry window ids there).
+
 Answers must be OK or a documented status: the codes of radixkv/errors.py's table, plus
 RESOURCE_EXHAUSTED (gRPC's own, for an oversized message), plus DEADLINE_EXCEEDED for the Events
 stream, which the fuzzer reads with a short deadline. INTERNAL or UNKNOWN is a failure.
@@ -27,6 +30,7 @@ from _fuzz_requests import (
     MAX_MESSAGE,
     MAX_TOKENS,
     NUM_BLOCKS,
+    NUM_WINDOWS,
     SERVICE,
     Known,
     learn,
@@ -66,6 +70,23 @@ def stub(server: Any) -> Iterator[Any]:
         yield radixkv_pb2_grpc.RadixKVStub(channel)
 
 
+WINDOW = ("--sliding-window", "9", "--window-layers", "0",  # window_blocks 2
+          "--num-window-blocks", str(NUM_WINDOWS))
+
+
+@pytest.fixture(scope="module", params=["full", "window"])
+def fuzzed(request: Any, server: Any, stub: Any) -> Iterator[tuple[Any, Any, bool]]:
+    """(server, stub, windowed): the plain server above, or one with a sliding-window pool."""
+    if request.param == "full":
+        yield server, stub, False
+        return
+    with running_server("--vocab-size", str(VOCAB), "--max-tokens", str(MAX_TOKENS),
+                        "--max-message-bytes", str(MAX_MESSAGE), "--event-buffer", "64",
+                        *WINDOW, num_blocks=NUM_BLOCKS, lease_ttl=3600) as s, \
+            grpc.insecure_channel(f"unix://{s.socket}") as channel:
+        yield s, radixkv_pb2_grpc.RadixKVStub(channel), True
+
+
 # ---- one call --------------------------------------------------------------------------------
 
 
@@ -97,7 +118,8 @@ def shown(request: Any) -> str:
     return text if len(text) <= 600 else f"{text[:600]}... ({request.ByteSize()} B)"
 
 
-def check_answer(method: str, request: Any, answer: Any, epoch: str) -> None:
+def check_answer(method: str, request: Any, answer: Any, epoch: str,
+                 windowed: bool = False) -> None:
     """Shape checks of OK answers that every well-formed call must meet."""
     if method == "Match":
         assert answer.epoch == epoch
@@ -110,6 +132,9 @@ def check_answer(method: str, request: Any, answer: Any, epoch: str) -> None:
         ids = unpack(answer.block_ids)
         assert len(ids) == request.num_blocks == len(set(ids))
         assert all(0 <= b < NUM_BLOCKS for b in ids)
+        wins = unpack(answer.window_ids)
+        assert len(wins) == (request.num_window_blocks if windowed else 0) == len(set(wins))
+        assert all(NUM_BLOCKS <= w < NUM_BLOCKS + NUM_WINDOWS for w in wins)
     elif method == "Insert":
         assert len(answer.results) == len(request.items)
 
@@ -126,7 +151,9 @@ def check_server(server: Any, stub: Any) -> Any:
     assert server.alive(), server.output()
     stats = stub.Stats(pb.StatsRequest(check_integrity=True), timeout=10)
     assert stats.integrity == "ok", stats.integrity
-    assert stats.free_blocks + stats.leased_blocks + stats.cached_blocks == NUM_BLOCKS
+    assert stats.window_blocks in (0, NUM_WINDOWS)
+    assert (stats.free_blocks + stats.leased_blocks + stats.cached_blocks + stats.free_window_blocks
+            + stats.cached_window_blocks) == NUM_BLOCKS + stats.window_blocks
     return stats
 
 
@@ -152,9 +179,10 @@ def draw_call(data: Any, known: Known) -> tuple[Any, Any]:
 
 @FUZZ
 @given(data=st.data())
-def test_every_request_gets_ok_or_a_documented_status(server, stub, data):
+def test_every_request_gets_ok_or_a_documented_status(fuzzed, data):
+    server, stub, windowed = fuzzed
     reset(stub)
-    known, problems = Known(), []
+    known, problems = Known(windowed=windowed), []
     epoch = stub.PoolInfo(pb.PoolInfoRequest(), timeout=10).epoch
     try:
         for _ in range(data.draw(st.integers(1, 10), label="calls")):
@@ -167,7 +195,7 @@ def test_every_request_gets_ok_or_a_documented_status(server, stub, data):
                 if method.server_streaming:
                     continue
                 try:
-                    check_answer(method.name, request, answer, epoch)
+                    check_answer(method.name, request, answer, epoch, windowed)
                 except AssertionError:
                     problems.append(f"{method.name} answered {shown(answer)} to "
                                     f"{shown(request)}")
@@ -180,7 +208,7 @@ def test_every_request_gets_ok_or_a_documented_status(server, stub, data):
 
 
 STATE = ("free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases",
-         "requests", "query_tokens", "hit_tokens")
+         "requests", "query_tokens", "hit_tokens", "free_window_blocks", "cached_window_blocks")
 
 
 def state(stub: Any) -> tuple[Any, ...]:
@@ -197,12 +225,13 @@ def describe(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
 
 @FUZZ
 @given(data=st.data())
-def test_failed_calls_change_nothing(server, stub, data):
+def test_failed_calls_change_nothing(fuzzed, data):
     """A call that fails leaves the service as it was: no lease opened (a failed Allocate), no
     part of a Match or Insert batch applied, no namespace made. Leases learned from answers
     are the only ones an example may leave, and cleanup releases them all."""
+    server, stub, windowed = fuzzed
     reset(stub)
-    known, problems = Known(), []
+    known, problems = Known(windowed=windowed), []
     leases_before = stub.Stats(pb.StatsRequest(), timeout=10).live_leases
     try:
         for _ in range(data.draw(st.integers(1, 8), label="calls")):

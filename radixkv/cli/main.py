@@ -75,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         window_fraction=window_fraction,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
         workers=args.workers, stream_workers=args.stream_workers,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
         cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
@@ -238,6 +239,9 @@ def _add_serve(sub: Any) -> None:
                    "clients on 2 cores); default: wherever the OS puts it")
     g.add_argument("--stream-workers", type=positive_int, default=16,
                    help="concurrent server streams, e.g. `radixkv events` subscribers (16)")
+    g.add_argument("--max-concurrent-rpcs", type=positive_int, default=256, metavar="N",
+                   help="calls and streams running or queued at once; one more is refused "
+                   "with RESOURCE_EXHAUSTED at once instead of waiting in a queue (256)")
     g.add_argument("--max-message-bytes", type=positive_int, default=64 << 20,
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,

@@ -1,17 +1,25 @@
 """A router's follower of one member: keeps that member's part of the ClusterIndex current.
 
     (re)build:  Stats -> namespaces + event_sequence S  (read together, under the service lock)
-                DumpTree of each namespace -> its blocks + the sequence D_ns it reflects
-                index.replace(member, blocks)
+                DumpTree of each namespace, page by page (a cursor; the member holds its
+                lock for one page only) -> its blocks' hashes + the sequence D_ns of the
+                first page; pages read later may hold changes after D_ns, which the events
+                after D_ns replay on top (radixkv/index/pages.py); a page over the member's
+                message limit is asked again at half the size
+                index.replace(member, blocks, and on a sliding-window member the blocks whose
+                window part it holds: it resumes only where its last blocks have theirs)
     follow:     Events from S + 1 (epoch-checked); an event of namespace ns is applied only if
                 its sequence > D_ns (else the snapshot has it already); a namespace created
                 after the Stats read has no snapshot and takes every event after S
     lagged      (the member's replay buffer dropped events we had not read): rebuild
     new epoch   (the member restarted): the resume is refused; rebuild
-    unreachable (connect or stream error): state "unreachable", retry every second; the
-                index keeps what it had (Route skips the member until it is indexed again);
-                back: resume Events after the last sequence read (same epoch), and rebuild
-                only if that is refused (lagged, or a new epoch)
+    unreachable (connect or stream error): state "unreachable", retry; the index keeps what
+                it had (Route skips the member until it is indexed again); back: resume
+                Events after the last sequence read (same epoch), and rebuild only if that is
+                refused (lagged, or a new epoch)
+    backoff     a retry or rebuild that follows a failed one waits BACKOFF_S, doubling up to
+                MAX_BACKOFF_S, each wait drawn within +-50 % (jitter: routers do not retry in
+                step); a member that stayed indexed STABLE_S resets it
 
 The loop runs in its own thread until stop(); stop() closes the channel, which cancels the
 blocked stream.
@@ -20,6 +28,7 @@ blocked stream.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from typing import Any
@@ -29,11 +38,21 @@ from radixkv.cluster.index import ClusterIndex
 from radixkv.cluster.membership import MemberInfo
 from radixkv.errors import InvalidArgument, NotFound, RadixKVError, StalePool, Unavailable
 from radixkv.events import chain_hashes
+from radixkv.index.window_tree import HOLE
 from radixkv.types import NodeView
 
 log = logging.getLogger("radixkv.cluster")
 
-RETRY_S = 1.0
+BACKOFF_S = 0.1  # the first retry's wait
+MAX_BACKOFF_S = 5.0
+STABLE_S = 10.0  # indexed this long: the next failure starts the backoff over
+PAGE_SIZE = 1024  # DumpTree nodes per page (halved while a page passes the message limit)
+
+
+def backoff_s(failures: int) -> float:
+    """The wait before retry number `failures` (1, 2, ...): exponential, capped, +-50 %."""
+    base: float = min(MAX_BACKOFF_S, BACKOFF_S * 2.0 ** min(failures - 1, 16))
+    return base * random.uniform(0.5, 1.5)
 
 
 class _Resync(Exception):
@@ -73,6 +92,8 @@ class Follower:
         self._resume: tuple[str, int, dict[str, int]] | None = None  # epoch, last read, marks
         self._stop = threading.Event()
         self._kv: Client | None = None
+        self._failures = 0  # failed tries in a row (the backoff's exponent)
+        self._indexed_at: float | None = None  # when the last try reached "indexed"
         self._thread = threading.Thread(target=self._run, name=f"follow-{info.node_id}",
                                         daemon=True)
 
@@ -110,6 +131,7 @@ class Follower:
     def _run(self) -> None:
         while not self._stop.is_set():
             kv = None
+            self._indexed_at = None
             try:
                 kv = self._kv = Client(self.info.address, client_id=f"router-{id(self):x}",
                                        timeout=5.0)
@@ -121,7 +143,6 @@ class Follower:
                 self._resume = None
                 self.state, self.error = "syncing", str(e)
                 log.info("member %s: %s; rebuilding from DumpTree", self.node_id, e)
-                continue
             except (RadixKVError, ValueError) as e:
                 if self._stop.is_set():
                     break
@@ -132,26 +153,67 @@ class Follower:
             finally:
                 if kv is not None:
                     kv.close()
-            self._stop.wait(RETRY_S)
+            stable = self._indexed_at is not None \
+                and time.monotonic() - self._indexed_at >= STABLE_S
+            self._failures = 1 if stable else self._failures + 1
+            self._stop.wait(backoff_s(self._failures))
 
     def _follow(self, kv: Client) -> None:
         self.state = "syncing"
         st = kv.stats()
         epoch, after = str(st["epoch"]), int(st["event_sequence"])
         block_size = int(st["layout"]["block_size"])
+        window_blocks = kv.pool_info().layout.window_blocks
         blocks: dict[str, set[int]] = {}
+        windows: dict[str, set[int]] = {}
         marks: dict[str, int] = {}
         for ns in st["namespaces"]:
             name = ns["namespace"]
             try:
-                nodes, marks[name] = kv.dump_tree(name)
+                blocks[name], windows[name], marks[name] = self._dump(kv, name, block_size)
             except NotFound:
                 continue  # dropped since: its removal events follow
-            blocks[name] = snapshot_hashes(name, nodes, block_size)
-        self.index.replace(self.node_id, blocks)
+        self.index.replace(self.node_id, blocks, windows, window_blocks)
         self.epoch = epoch
         self.resyncs += 1
         self._continue(kv, epoch, after, marks)
+
+    def _dump(self, kv: Client, namespace: str,
+              block_size: int) -> tuple[set[int], set[int], int]:
+        """Every block hash of `namespace`, paged, those whose window part is held, and the
+        sequence of the first page. NotFound if it is gone before the first page (after it:
+        what was read is kept, its removal events follow)."""
+        hashes: set[int] = set()
+        windows: set[int] = set()
+        cursor, first, size = b"", -1, PAGE_SIZE
+        while not self._stop.is_set():
+            try:
+                page = kv.dump_page(namespace, cursor, size)
+            except NotFound:
+                if first < 0:
+                    raise
+                break
+            except RadixKVError as e:
+                if "larger than max" not in str(e) or size == 1:
+                    raise
+                size //= 2  # a page of long edges passed the message limit
+                continue
+            if first < 0:
+                first = page.last_sequence
+            if not cursor and not page.next_cursor and page.nodes \
+                    and not page.nodes[0].block_hashes and page.nodes[0].block_ids:
+                # a member that does not page answers the whole tree at once, without hashes
+                # (nor window events: its window parts count as held)
+                held = snapshot_hashes(namespace, list(page.nodes), block_size)
+                return held, held, first
+            for n in page.nodes:
+                hashes.update(n.block_hashes)
+                windows.update(h for h, w in zip(n.block_hashes, n.window_ids, strict=False)
+                               if w != HOLE)
+            if not page.next_cursor:
+                break
+            cursor = page.next_cursor
+        return hashes, windows, first
 
     def _continue(self, kv: Client, epoch: str, after: int, marks: dict[str, int]) -> None:
         """Follow Events after sequence `after` of `epoch` (StalePool if the member has
@@ -162,6 +224,7 @@ class Follower:
             raise StalePool(f"the member restarted (epoch {epoch} -> {now})")
         events = kv.events(from_sequence=after + 1, epoch=epoch)
         self.state, self.error = "indexed", ""
+        self._indexed_at = time.monotonic()
         self._apply(events, marks, after, epoch)
         if not self._stop.is_set():
             raise Unavailable("the member ended its event stream (stopping?)")
@@ -184,4 +247,8 @@ class Follower:
                 index.removed(me, ev.namespace, ev.removed.block_hashes)
             elif kind == "cleared":
                 index.cleared(me, ev.namespace)
+            elif kind == "window_stored":
+                index.window_stored(me, ev.namespace, ev.window_stored.block_hashes)
+            elif kind == "window_removed":
+                index.window_removed(me, ev.namespace, ev.window_removed.block_hashes)
             self.events_applied += 1

@@ -27,6 +27,11 @@ log = logging.getLogger("radixkv.cluster")
 
 BANNER = "radixkv router on"
 ROUTER_SERVICE = "radixkv.v1.Router"
+# a Route carries a whole prompt: accept what a member accepts (its --max-message-bytes
+# default), not gRPC's 4 MiB, which is below a prompt of a member's default max_tokens
+MAX_MESSAGE_BYTES = 64 << 20
+WORKERS = 4
+MAX_CONCURRENT_RPCS = 64  # running or queued; one more gets RESOURCE_EXHAUSTED at once
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -79,8 +84,10 @@ def serve_router(etcd: str, listen: str, ready: Any = None) -> int:
     if path and os.path.exists(path):
         raise AlreadyExists(f"{path} exists: another router (or a stale socket) is there")
     router = Router(EtcdTarget.parse(etcd))
-    server = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="router"),
-                         options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="router"),
+                         options=[("grpc.so_reuseport", 0),
+                                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     router_pb2_grpc.add_RouterServicer_to_server(  # type: ignore[no-untyped-call]
         RouterServicer(router), server)
     health_servicer = health.HealthServicer()

@@ -27,6 +27,7 @@ from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.hints import NO_HINT, SESSION_END, parse_hint
 from radixkv.index.integrity import Counters, check_block_ids, check_tree
 from radixkv.index.node import DepthCounts, Handle, Node
+from radixkv.index.pages import view
 from radixkv.index.policies import make_policy
 from radixkv.index.results import (
     BlockRemoved,
@@ -114,15 +115,18 @@ class RadixTree:
                          self.num_evictable_blocks, self._num_evicted, self._num_inserted,
                          self._depths.max_depth)
 
+    @property
+    def root(self) -> Node:
+        """The root node (no tokens, no blocks): for readers of the structure (index/pages.py)."""
+        return self._root
+
     def nodes(self) -> Iterator[NodeView]:
-        """A snapshot of every node but the root, depth-first pre-order."""
+        """A snapshot of every node but the root, depth-first pre-order (children in insertion
+        order; index/pages.py reads the tree in pages, in path order)."""
         views, stack = [], list(reversed(self._root.children.values()))
         while stack:
             n = stack.pop()
-            parent_id = None if n.parent is self._root else n.parent.node_id
-            views.append(NodeView(n.node_id, parent_id, n.depth * self._block_size, n.tokens,
-                                  tuple(n.block_ids), n.lock_count, n.hits, n.last_access,
-                                  tuple(getattr(n, "window_ids", ()))))
+            views.append(view(n, self._root, self._block_size))
             stack.extend(reversed(n.children.values()))
         return iter(views)
 

@@ -66,7 +66,8 @@ class RadixKVServer:
         ]
         interceptors = [TokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
         server = grpc.server(SplitExecutor(cfg.workers, cfg.stream_workers),
-                             options=options, interceptors=interceptors)
+                             options=options, interceptors=interceptors,
+                             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         self.metrics: Metrics | None = None
         if cfg.metrics_port:
             self.metrics = Metrics(self.service)

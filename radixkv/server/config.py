@@ -28,6 +28,8 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     workers: int = 2  # threads running calls (radixkv/server/executor.py says why so few)
     stream_workers: int = 16  # concurrent server streams (Events subscribers, ...)
+    # calls and streams in progress or queued at once; past it RESOURCE_EXHAUSTED at once
+    max_concurrent_rpcs: int = 256
     metrics_port: int | None = None
     tls_cert: str | None = None  # PEM files: TLS on the TCP port
     tls_key: str | None = None

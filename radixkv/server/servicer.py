@@ -26,11 +26,11 @@ from radixkv.errors import (
     StalePool,
 )
 from radixkv.events import KVEvent
-from radixkv.service import KVService
+from radixkv.service import DUMP_PAGE, KVService
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
-from radixkv.wire import ERROR_KEY, STATUS, layout_pb, pool_info_pb
+from radixkv.wire import ERROR_KEY, STATUS, layout_pb, pool_info_pb, tree_node_pb
 
 log = logging.getLogger("radixkv.server.app")
 
@@ -246,13 +246,16 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
 
     @rpc
     def DumpTree(self, request: pb.DumpTreeRequest, context: Any) -> pb.DumpTreeResponse:
+        if request.page_size or request.cursor:
+            page = self.service.dump_page(request.namespace, request.cursor,
+                                          request.page_size or DUMP_PAGE, request.max_depth)
+            return pb.DumpTreeResponse(namespace=request.namespace,
+                                       last_sequence=page.last_sequence,
+                                       next_cursor=page.next_cursor,
+                                       nodes=[tree_node_pb(n) for n in page.nodes])
         nodes, last = self.service.dump_tree(request.namespace, request.max_depth)
-        return pb.DumpTreeResponse(namespace=request.namespace, last_sequence=last, nodes=[
-            pb.TreeNode(node_id=n.node_id, parent_id=n.parent_id or 0,
-                        depth_tokens=n.depth_tokens, tokens=n.tokens, block_ids=n.block_ids,
-                        lock_count=n.lock_count, hits=n.hits, last_access=n.last_access,
-                        window_ids=n.window_ids)
-            for n in nodes])
+        return pb.DumpTreeResponse(namespace=request.namespace, last_sequence=last,
+                                   nodes=[tree_node_pb(n) for n in nodes])
 
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         """Consecutive events from `from_sequence` (0: from now on). If some were already

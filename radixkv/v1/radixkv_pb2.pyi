@@ -325,15 +325,19 @@ class StatsResponse(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ..., window_blocks: _Optional[int] = ..., free_window_blocks: _Optional[int] = ..., cached_window_blocks: _Optional[int] = ...) -> None: ...
 
 class DumpTreeRequest(_message.Message):
-    __slots__ = ("namespace", "max_depth")
+    __slots__ = ("namespace", "max_depth", "page_size", "cursor")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     max_depth: int
-    def __init__(self, namespace: _Optional[str] = ..., max_depth: _Optional[int] = ...) -> None: ...
+    page_size: int
+    cursor: bytes
+    def __init__(self, namespace: _Optional[str] = ..., max_depth: _Optional[int] = ..., page_size: _Optional[int] = ..., cursor: _Optional[bytes] = ...) -> None: ...
 
 class TreeNode(_message.Message):
-    __slots__ = ("node_id", "parent_id", "depth_tokens", "tokens", "block_ids", "lock_count", "hits", "last_access", "window_ids")
+    __slots__ = ("node_id", "parent_id", "depth_tokens", "tokens", "block_ids", "lock_count", "hits", "last_access", "window_ids", "block_hashes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +347,7 @@ class TreeNode(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     node_id: int
     parent_id: int
     depth_tokens: int
@@ -352,17 +357,20 @@ class TreeNode(_message.Message):
     hits: int
     last_access: float
     window_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., depth_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lock_count: _Optional[int] = ..., hits: _Optional[int] = ..., last_access: _Optional[float] = ..., window_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., depth_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lock_count: _Optional[int] = ..., hits: _Optional[int] = ..., last_access: _Optional[float] = ..., window_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DumpTreeResponse(_message.Message):
-    __slots__ = ("namespace", "last_sequence", "nodes")
+    __slots__ = ("namespace", "last_sequence", "nodes", "next_cursor")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     last_sequence: int
     nodes: _containers.RepeatedCompositeFieldContainer[TreeNode]
-    def __init__(self, namespace: _Optional[str] = ..., last_sequence: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ...) -> None: ...
+    next_cursor: bytes
+    def __init__(self, namespace: _Optional[str] = ..., last_sequence: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ..., next_cursor: _Optional[bytes] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace",)

@@ -140,7 +140,8 @@ class RadixKVServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DumpTree(self, request, context):
-        """A snapshot of one namespace's radix tree (nodes in DFS pre-order).
+        """One namespace's radix tree: the whole of it at once (nodes in DFS pre-order), or a page of
+        it after a cursor (page_size > 0), one page per call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
