@@ -75,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         window_fraction=window_fraction,
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
         workers=args.workers, stream_workers=args.stream_workers,
+        streams_per_peer=args.streams_per_peer, insecure=args.insecure or None,
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
         cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
@@ -222,12 +223,17 @@ def _add_serve(sub: Any) -> None:
                    help="Unix socket path (default: $RADIXKV_SOCKET, $XDG_RUNTIME_DIR/radixkv.sock"
                    " or /tmp/radixkv-$UID/radixkv.sock); '' with --tcp for TCP only")
     g.add_argument("--tcp", default=None, metavar="HOST:PORT",
-                   help="also listen on TCP (off by default; use 127.0.0.1 unless you mean it)")
+                   help="also listen on TCP (off by default; use 127.0.0.1 unless you mean it); "
+                   "needs a token (--auth-token-file) or --insecure")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow --tcp without a token (logged loudly): every local user, and "
+                   "anyone who reaches the port, can then read and clear the cache")
     g.add_argument("--tls-cert", metavar="PEM", help="TLS certificate for the TCP port")
     g.add_argument("--tls-key", metavar="PEM", help="TLS private key for the TCP port")
     g.add_argument("--auth-token-file", metavar="PATH",
                    help="require 'authorization: Bearer TOKEN' on every radixkv call (token: "
-                   "the file's first line; default $RADIXKV_AUTH_TOKEN; health stays open)")
+                   "the file's first line; default $RADIXKV_AUTH_TOKEN; only the health Check "
+                   "stays open)")
     g.add_argument("--workers", type=positive_int, default=2,
                    help="threads running calls (2: Python runs one at a time, more only "
                    "contend for the GIL)")
@@ -237,7 +243,11 @@ def _add_serve(sub: Any) -> None:
                    "for it in cache misses (one pinned core: +25-30%% requests/s with 8 "
                    "clients on 2 cores); default: wherever the OS puts it")
     g.add_argument("--stream-workers", type=positive_int, default=16,
-                   help="concurrent server streams, e.g. `radixkv events` subscribers (16)")
+                   help="concurrent server streams, e.g. `radixkv events` subscribers (16); "
+                   "one more is refused (RESOURCE_EXHAUSTED), not queued")
+    g.add_argument("--streams-per-peer", type=positive_int, default=None, metavar="N",
+                   help="server streams one TCP peer may hold (default: half of "
+                   "--stream-workers); Unix-socket clients share the total only")
     g.add_argument("--max-message-bytes", type=positive_int, default=64 << 20,
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from gpu_pool import create_pool
 from radixkv.env import check_socket_dir
 from radixkv.errors import AlreadyExists, InvalidArgument, PermissionDenied, RadixKVError
-from radixkv.server.auth import TokenInterceptor, server_credentials
+from radixkv.server.auth import AccessInterceptor, server_credentials
 from radixkv.server.config import ServerConfig
 from radixkv.server.executor import SplitExecutor
 from radixkv.server.metrics import Metrics
@@ -34,10 +34,29 @@ from radixkv.v1 import radixkv_pb2, radixkv_pb2_grpc
 
 log = logging.getLogger("radixkv.server.app")
 
+def check_exposure(config: ServerConfig) -> None:
+    """TCP reaches every local user (and, beyond loopback, the network): it needs a token,
+    unless the operator says --insecure (InvalidArgument otherwise)."""
+    if config.tcp and not config.auth_token and not config.insecure:
+        raise InvalidArgument(
+            f"--tcp {config.tcp} without a token: every local user (and anyone who reaches the "
+            "port) could read and clear the cache. Give --auth-token-file (or "
+            "$RADIXKV_AUTH_TOKEN), or --insecure if that is really meant")
+
+
+def insecure_warning(where: str) -> list[str]:
+    """The lines logged when a TCP listener runs without a token (--insecure)."""
+    bar = "!" * 72
+    return [bar, f"INSECURE: {where} accepts every call without a token (--insecure): any local "
+            "user, and anyone who reaches the port, can read cached token ids (DumpTree), "
+            "pin and clear the cache", bar]
+
+
 class RadixKVServer:
     """Owns the pool, the service, the grpc server and the lease sweeper."""
 
     def __init__(self, config: ServerConfig) -> None:
+        check_exposure(config)
         self.config = config
         self._lock_file: Any = None
         self._stopped = threading.Event()
@@ -64,7 +83,8 @@ class RadixKVServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = [TokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        per_peer = cfg.streams_per_peer or max(1, cfg.stream_workers // 2)
+        interceptors = [AccessInterceptor(cfg.auth_token, cfg.stream_workers, per_peer)]
         server = grpc.server(SplitExecutor(cfg.workers, cfg.stream_workers),
                              options=options, interceptors=interceptors)
         self.metrics: Metrics | None = None
@@ -95,6 +115,9 @@ class RadixKVServer:
         if cfg.tcp:
             creds = server_credentials(cfg.tls_cert, cfg.tls_key)
             host = cfg.tcp.rsplit(":", 1)[0]
+            if not cfg.auth_token:
+                for line in insecure_warning(cfg.tcp):
+                    log.warning("%s", line)
             if creds is None and host not in ("127.0.0.1", "localhost", "[::1]"):
                 log.warning("TCP %s without TLS: anyone who reaches it can read the traffic; "
                             "give --tls-cert/--tls-key", cfg.tcp)
