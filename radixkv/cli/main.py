@@ -12,9 +12,11 @@ from typing import Any
 from gpu_pool.layout import parse_bytes
 from radixkv.cli.flags import (
     add_connection_flags,
+    add_etcd_flags,
     add_layout_flags,
     add_policy_flag,
     add_sink_fraction_flag,
+    etcd_security_from_args,
     layout_from_args,
     positive_float,
     positive_int,
@@ -79,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
         cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
-        cluster_ttl_s=args.cluster_ttl)
+        cluster_ttl_s=args.cluster_ttl, etcd_security=etcd_security_from_args(args))
     if args.cluster and not args.node_id:
         raise SystemExit("radixkv serve: --cluster needs --node-id")
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
@@ -263,6 +265,7 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--cluster-ttl", type=positive_int, default=5, metavar="SECONDS",
                    help="the registration's etcd lease: a crashed member drops out after this "
                    "(5); a clean stop leaves at once")
+    add_etcd_flags(g)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop (as on SIGTERM) when the process that started this one exits; "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpu_pool.layout import KVLayout
+from radixkv.cluster.etcd import NO_SECURITY, EtcdSecurity
 from radixkv.env import default_socket_path, server_settings
 from radixkv.server.auth import read_token
 from radixkv.service_config import ServiceConfig
@@ -38,6 +39,7 @@ class ServerConfig:
     node_id: str | None = None  # this member's id in the cluster (required with cluster)
     advertise: str | None = None  # the address members publish (default: the first bound)
     cluster_ttl_s: int = 5  # the etcd lease of the registration: a crashed member expires
+    etcd_security: EtcdSecurity = NO_SECURITY  # TLS and auth toward etcd
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
     @classmethod
