@@ -234,9 +234,10 @@ def test_a_record_planted_in_etcd_gets_no_token(flags, monkeypatch, tmp_path):
             fake.stop(0)
 
 
-def start_etcd_tls_auth(directory: str, cert: str, key: str):
+def start_etcd_tls_auth(directory: str, cert: str, key: str, client_certs: bool = False):
     """etcd on loopback with TLS on its client port and auth on: user radixkv (password
-    'radixkv-pass') may read and write /radixkv/ only."""
+    'radixkv-pass') may read and write /radixkv/ only. `client_certs`: instead of auth,
+    etcd requires a client certificate signed by `cert`."""
     from radixkv.cluster.local import etcd_binary, free_port
 
     client, peer = free_port(), free_port()
@@ -246,14 +247,18 @@ def start_etcd_tls_auth(directory: str, cert: str, key: str):
          "--listen-client-urls", f"https://127.0.0.1:{client}",
          "--advertise-client-urls", f"https://127.0.0.1:{client}",
          "--cert-file", cert, "--key-file", key,
+         *(["--client-cert-auth", "--trusted-ca-file", cert] if client_certs else []),
          "--listen-peer-urls", f"http://127.0.0.1:{peer}",
          "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
          "--initial-cluster", f"s=http://127.0.0.1:{peer}"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()
-    ctl = ["etcdctl", f"--endpoints=https://127.0.0.1:{client}", f"--cacert={cert}"]
+    ctl = ["etcdctl", f"--endpoints=https://127.0.0.1:{client}", f"--cacert={cert}",
+           *([f"--cert={cert}", f"--key={key}"] if client_certs else [])]
     wait_for(lambda: subprocess.run([*ctl, "endpoint", "health"], capture_output=True)
              .returncode == 0, timeout=30, what="etcd")
+    if client_certs:
+        return proc, f"etcd://127.0.0.1:{client}"
     for args in (["user", "add", "root:root-pass"], ["user", "add", "radixkv:radixkv-pass"],
                  ["role", "add", "rkv"],
                  ["role", "grant-permission", "rkv", "--prefix=true", "readwrite", "/radixkv/"],
@@ -295,6 +300,25 @@ def test_members_and_routers_use_etcd_tls_and_auth(flags, tmp_path, monkeypatch)
         finally:
             stop(router)
             assert member.stop() == 0
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        shutil.rmtree(etcd_dir, ignore_errors=True)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None or shutil.which("etcdctl") is None,
+                    reason="needs openssl and etcdctl")
+def test_members_present_a_client_certificate_to_etcd(flags, tmp_path):
+    cert, key = make_cert(tmp_path)  # self-signed: the CA of etcd's server and client certs
+    etcd_dir = tempfile.mkdtemp(prefix="rkv-e-")
+    proc, url = start_etcd_tls_auth(etcd_dir, cert, key, client_certs=True)
+    sock = os.path.join(etcd_dir, "n0.sock")
+    try:
+        with pytest.raises(errors.Unavailable, match="exited 2"):  # TLS, but no certificate
+            start_server(sock, "--cluster", url, "--node-id", "n0", "--etcd-ca", cert, *flags)
+        member = start_server(sock, "--cluster", url, "--node-id", "n0", "--etcd-ca", cert,
+                              "--etcd-cert", cert, "--etcd-key", key, *flags)
+        assert member.stop() == 0
     finally:
         proc.terminate()
         proc.wait(15)
