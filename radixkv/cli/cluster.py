@@ -39,9 +39,8 @@ def add_router(sub: Any) -> None:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    import os
-
     from radixkv.cluster.router_server import BANNER, RouterConfig, serve_router
+    from radixkv.env import client_token
     from radixkv.server.app import exit_with_parent
     from radixkv.server.auth import read_token
 
@@ -54,7 +53,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         print(f"{BANNER} {address}: members from {args.etcd}", flush=True)
 
     config = RouterConfig(args.etcd, args.listen,
-                          read_token(args.auth_token_file, os.environ.get("RADIXKV_AUTH_TOKEN")),
+                          read_token(args.auth_token_file, client_token()),
                           args.tls_cert, args.tls_key, args.insecure,
                           etcd_security_from_args(args))
     return serve_router(config, ready)

@@ -151,18 +151,17 @@ def add_etcd_flags(g: Any) -> None:
 
 def etcd_security_from_args(args: argparse.Namespace) -> Any:
     """The EtcdSecurity the etcd flags (and their RADIXKV_ETCD_* defaults) describe."""
-    import os
-
     from radixkv.cluster.etcd import EtcdSecurity
+    from radixkv.env import etcd_settings
 
-    password = os.environ.get("RADIXKV_ETCD_PASSWORD")
+    env = etcd_settings()
+    password = env.get("password")
     if args.etcd_password_file:
         try:
             with open(args.etcd_password_file) as f:
                 password = (f.readline() or "").strip()
         except OSError as e:
             raise SystemExit(f"--etcd-password-file: {e}") from None
-    return EtcdSecurity(ca=args.etcd_ca or os.environ.get("RADIXKV_ETCD_CA"),
-                        cert=args.etcd_cert, key=args.etcd_key,
-                        user=args.etcd_user or os.environ.get("RADIXKV_ETCD_USER"),
+    return EtcdSecurity(ca=args.etcd_ca or env.get("ca"), cert=args.etcd_cert,
+                        key=args.etcd_key, user=args.etcd_user or env.get("user"),
                         password=password)
