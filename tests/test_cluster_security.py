@@ -333,6 +333,11 @@ def test_a_second_member_with_a_taken_node_id_is_refused(flags):
             server.stop()
         assert "node id n0 is held by" in str(e.value) and c.socket_of("n0") in str(e.value)
         assert not os.path.exists(other)
+        # advertising the holder's own address proves nothing: refused too
+        with pytest.raises(errors.Unavailable, match="node id n0 is held by"):
+            server = start_server(other, "--cluster", c.etcd.url, "--node-id", "n0",
+                                  "--advertise", f"unix://{c.socket_of('n0')}", *flags)
+            server.stop()
         with RouterClient(c.router) as rc:  # the first one still serves and is routed to
             rc.wait_members(1)
             assert rc.route(NS, prompt(1), probe=True).members[0].node_id == "n0"

@@ -8,9 +8,9 @@ key when the TTL runs out and routers drop it. If etcd restarts and has lost the
 data directory), the next renewal finds it gone and the member registers again.
 
 The key is created in a transaction that succeeds only if nobody holds it: a second live server
-with the same node id is refused (AlreadyExists naming the holder). A record that names this
-member's own address is a crashed earlier run of it (this process bound that address), so it
-is taken over at once rather than after its TTL.
+with the same node id is refused (AlreadyExists naming the holder). A record that names an
+address this process has bound is a crashed earlier run of it, so it is taken over at once
+rather than after its TTL (an `--advertise` address it did not bind is not proof: refused).
 
 With a cluster token (the members' `--auth-token-file`), the record carries an HMAC-SHA256 of
 its fields under that token: a router holding the token follows only records it can verify, so
@@ -100,11 +100,16 @@ class Registration:
     cannot be reached); `stop()` deregisters. Renewal failures are logged and retried."""
 
     def __init__(self, target: EtcdTarget, info: MemberInfo, ttl_s: int = DEFAULT_TTL_S,
-                 token: str | None = None, security: EtcdSecurity = NO_SECURITY) -> None:
+                 token: str | None = None, security: EtcdSecurity = NO_SECURITY,
+                 bound: frozenset[str] = frozenset()) -> None:
+        """`bound`: the addresses this process listens on: a record naming one of them is an
+        earlier run of this member (it cannot be alive: we bound its address) and is taken
+        over; any other holder of the node id is refused."""
         if ttl_s < 1:
             raise InvalidArgument(f"--cluster-ttl must be >= 1 s, got {ttl_s}")
         self.target = target
         self.info = info.signed(token)
+        self.bound = bound
         self.ttl_s = ttl_s
         self.key = member_key(target, info.node_id)
         self.etcd = Etcd(target, timeout=max(1.0, ttl_s / 3), security=security)
@@ -146,7 +151,8 @@ class Registration:
                 other = MemberInfo.from_json(current[0])
             except InvalidArgument:
                 other = None
-            if other is None or other.address != self.info.address:
+            if other is None or other.address != self.info.address \
+                    or other.address not in self.bound:
                 where = (f"{other.address} (pid {other.pid}, registered "
                          f"{time.strftime('%H:%M:%S', time.localtime(other.started))})"
                          if other else "an unreadable record")
@@ -155,8 +161,8 @@ class Registration:
                     f"node id {self.info.node_id} is held by {where} in {self.target}: a "
                     "second server with the same node id is refused. Stop that one or "
                     f"choose another --node-id (if it crashed, its key expires within {ttl} s)")
-            # our own address: an earlier run of this member that crashed (we hold its
-            # socket or port now); take the key over at once
+            # an address this process bound: an earlier run of this member that crashed (we
+            # hold its socket or port now); take the key over at once
             done, _ = self.etcd.create(self.key, value, lease, replacing=current[1])
             if done:
                 log.info("took over node id %s from an earlier run at the same address (pid "

@@ -155,7 +155,8 @@ class RadixKVServer:
                          f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
                          f"{layout.head_dim}, {layout.dtype}", cfg.cluster_ttl_s)
         registration = Registration(EtcdTarget.parse(cfg.cluster or ""), info, cfg.cluster_ttl_s,
-                                    token=cfg.auth_token, security=cfg.etcd_security)
+                                    token=cfg.auth_token, security=cfg.etcd_security,
+                                    bound=frozenset(self.addresses))
         registration.start()  # Unavailable without etcd: the server stops, nothing registered
         self.registration = registration
 
