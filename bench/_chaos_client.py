@@ -42,7 +42,8 @@ NAMESPACES = ("chaos-a", "chaos-b", "chaos-c")
 COUNTERS = ("requests", "hit_tokens", "verified_blocks", "mismatches", "unconfirmed_reads",
             "unconfirmed_mismatches", "inserted_blocks", "discarded_answers", "reconnects",
             "unavailable", "not_found", "lease_expired", "stale_pool", "out_of_blocks",
-            "other_errors", "internal_errors", "fatal", "epochs_noticed", "in_lease")
+            "other_errors", "internal_errors", "fatal", "epochs_noticed", "routed",
+            "router_fallbacks", "in_lease")
 C = {name: i for i, name in enumerate(COUNTERS)}
 
 
@@ -80,7 +81,7 @@ def next_prompt(rng: random.Random, convs: dict[str, list[list[list[int]]]],
 # ---- one client process ----------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """SIGKILL this process when the supervisor dies (Linux PR_SET_PDEATHSIG)."""
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
@@ -88,7 +89,7 @@ def _die_with_parent() -> None:
         pass
 
 
-class _Worker:
+class Worker:
     """One client's loop state: the Client, its pool bytes, the counters it publishes."""
 
     def __init__(self, args: dict[str, Any], counters: Any) -> None:
@@ -198,12 +199,12 @@ class _Worker:
 def client_main(args: dict[str, Any], slot: int, counters: Any, stop: Any) -> None:
     """One client process: requests in a loop until `stop`; errors the service may answer
     under chaos are counted and survived, anything else ends the client (counted as fatal)."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor handles Ctrl-C
     logging.getLogger("radixkv.client").setLevel(logging.ERROR)  # restarts: counted instead
     rng = random.Random(args["seed"] * 1_000_003 + slot)
     convs = conversations(args["seed"], args["block_size"])
-    w = _Worker(args, counters)
+    w = Worker(args, counters)
     down_since = 0.0
     try:
         while not stop.is_set():

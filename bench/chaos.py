@@ -2,6 +2,7 @@
 
     python bench/chaos.py --minutes 10 [--clients 4] [--json]
     python bench/chaos.py --seconds 30 --clients 3 --json          # what CI runs
+    python bench/chaos.py --cluster --members 3 --minutes 10 --json  # etcd, members, a router
 
     supervisor (this process)                      client processes (spawn) x N
     start_server(socket) ---------------------->   Match -> read the hit blocks, check their keys
@@ -18,6 +19,9 @@ Every full block's first 8 bytes are its key: a chained hash of namespace + toke
 (radixkv.replay.client.block_keys, written and read with its BlockBytes), so a hit block holding
 anything but its own prefix's bytes is a mismatch. bench/_chaos_client.py is the client process:
 when a read counts as proven, and why answers that crossed an epoch change are discarded.
+
+--cluster runs the same engines' cycle over a cluster instead (bench/chaos_cluster.py): they
+route through a router while members, the router and etcd are SIGKILLed and restarted.
 
 Prints progress on stderr, one summary line (or JSON with --json) on stdout; exit status 1 on a
 mismatch, a leak, a failed integrity check, a left segment or an unexpected client error.
@@ -275,7 +279,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=4, help="tokens per block (4)")
     p.add_argument("--seed", type=int, default=0, help="workload and schedule seed (0)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    g = p.add_argument_group("cluster (bench/chaos_cluster.py)")
+    g.add_argument("--cluster", action="store_true",
+                   help="etcd + --members members + a router; the faults (every "
+                   "--restart-every s) are SIGKILLs of a member, the router or etcd")
+    g.add_argument("--members", type=int, default=3, help="cluster members (3)")
+    g.add_argument("--converge-s", type=float, default=20.0, metavar="S",
+                   help="the router's index must match every member's DumpTree within S "
+                   "seconds of the end (20)")
     return p
+
+
+def run_cluster(a: argparse.Namespace, directory: str) -> tuple[dict[str, Any], bool]:
+    from chaos_cluster import ClusterChaos, summary_ok
+
+    config = os.path.join(directory, "config.json")
+    with open(config, "w") as f:
+        json.dump(LAYOUT, f)
+    flags = ("--model-config", config, "--block-size", str(a.block_size),
+             "--num-blocks", str(a.num_blocks), "--lease-ttl", str(a.lease_ttl))
+    shm_before = _shm_names()
+    chaos = ClusterChaos(a, directory, flags, mp.get_context("spawn"), log)
+    try:
+        out = chaos.run()
+    finally:
+        code, pids = chaos.cleanup()
+    out["exit_code"] = code
+    out["shm_left"] = len([n for n in _shm_names() - shm_before if _owner_pid(n) in pids])
+    return out, summary_ok(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.clients < 1 or a.seconds <= 0 or a.lease_ttl <= 0:
         raise SystemExit("--clients, the duration and --lease-ttl must be positive")
     directory = tempfile.mkdtemp(prefix="rkv-chaos-")
+    if a.cluster:
+        if a.members < 1:
+            raise SystemExit("--members must be positive")
+        try:
+            out, ok = run_cluster(a, directory)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        emit("chaos-cluster", out, a.json)
+        return 0 if ok else 1
     chaos = Chaos(a, directory)
     try:
         out = chaos.run()

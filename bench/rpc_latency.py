@@ -404,6 +404,7 @@ def main() -> int:
     try:
         kv_servers = [launch("kv", i, lambda sock, port: [
             "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
+            "--insecure",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
             "65536", "--lease-ttl", "600", "--max-leases-per-client", "100000000",
             "--policy", args.policy, "--log-level", "warning", *pinned], "radixkv serving")
@@ -426,6 +427,7 @@ def main() -> int:
 
         cycle_servers = [launch("cycle", i, lambda sock, port: [
             "-m", "radixkv", "serve", "--socket", sock, "--tcp", f"127.0.0.1:{port}",
+            "--insecure",
             "--model-config", cfg, "--block-size", str(args.block_size), "--num-blocks",
             "65536", "--policy", args.policy, "--log-level", "warning", *pinned], "radixkv serving")
             for i in range(args.replicas)]

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -289,17 +289,23 @@ class Client:
                         resp.next_cursor)
 
     def events(self, from_sequence: int = 0, namespace: str = "",
-               timeout: float | None = None, epoch: str = "") -> Iterator[pb.Event]:
+               timeout: float | None = None, epoch: str = "",
+               opened: Callable[[], None] | None = None) -> Iterator[pb.Event]:
         """Stream of block events (from `from_sequence` if still buffered; 0: from now on),
         ending quietly after `timeout` s. An event with `lagged` set (the stream's last) means
         events were missed: rebuild from `dump_tree` and resume after its last sequence.
         Each event carries the service's epoch; resuming with `epoch` set (the one the
         sequence numbers came with) raises StalePool if the service restarted since.
-        Closing the iterator (or leaving a loop over it) cancels the call."""
+        Closing the iterator (or leaving a loop over it) cancels the call. `opened` is called
+        once the server runs the stream (its first response, the headers, came)."""
         call = self._stub.Events(pb.EventsRequest(from_sequence=from_sequence,
                                                   namespace=namespace, epoch=epoch),
                                  timeout=timeout, metadata=self._metadata)
         try:
+            if opened is not None:
+                call.initial_metadata()  # blocks until the headers, or the call's end
+                if not call.done():
+                    opened()
             yield from call
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -9,6 +9,9 @@
 | RADIXKV_LEASE_TTL     | seconds a lease lives without use         | 30                          |
 | RADIXKV_AUTH_TOKEN    | bearer token (server requires, client sends) | off                      |
 | RADIXKV_TLS_CA        | client: PEM of the CA that signed the server's TLS certificate | off  |
+| RADIXKV_ETCD_CA       | members, routers: TLS to etcd, trusting this CA | off                   |
+| RADIXKV_ETCD_USER     | members, routers: etcd auth user          | off                         |
+| RADIXKV_ETCD_PASSWORD | members, routers: that user's password    | off                         |
 
 The server's figures come through `server_settings()` into `ServerConfig.from_env`; a client reads
 the socket, token and CA. Nothing here imports the server or the service.
@@ -80,6 +83,13 @@ def client_token() -> str | None:
 def client_tls_ca() -> str | None:
     """PEM file of the CA a client trusts for TLS: $RADIXKV_TLS_CA, or None (plaintext)."""
     return os.environ.get("RADIXKV_TLS_CA") or None
+
+
+def etcd_settings() -> dict[str, str]:
+    """The RADIXKV_ETCD_* variables that are set, by EtcdSecurity field name."""
+    names = {"ca": "RADIXKV_ETCD_CA", "user": "RADIXKV_ETCD_USER",
+             "password": "RADIXKV_ETCD_PASSWORD"}
+    return {field: os.environ[var] for field, var in names.items() if os.environ.get(var)}
 
 
 def server_settings() -> dict[str, Any]:

@@ -19,7 +19,8 @@ STREAMS = LIMIT + 40
 
 
 def test_calls_past_the_limit_are_refused_at_once_not_queued():
-    with running_server() as s:
+    # stream slots above the limit: here the limit on calls, not the one on streams, refuses
+    with running_server("--stream-workers", str(STREAMS)) as s:
         channel = grpc.insecure_channel(f"unix://{s.socket}")
         stub = radixkv_pb2_grpc.RadixKVStub(channel)
         calls = [stub.Events(pb.EventsRequest(), timeout=30) for _ in range(STREAMS)]

@@ -131,3 +131,37 @@ def window_fraction_from_args(layout: KVLayout, text: str | None) -> float | Non
         return check_window_fraction(layout, float(text))
     except (InvalidArgument, ValueError) as e:
         raise InvalidArgument(f"--window-fraction {text}: {e}") from None
+
+
+def add_etcd_flags(g: Any) -> None:
+    """TLS and auth toward etcd (radixkv/cluster/etcd.py EtcdSecurity)."""
+    g.add_argument("--etcd-ca", metavar="PEM",
+                   help="talk TLS to etcd, trusting this CA (default $RADIXKV_ETCD_CA; off)")
+    g.add_argument("--etcd-cert", metavar="PEM",
+                   help="client certificate for an etcd with --client-cert-auth (with "
+                   "--etcd-key)")
+    g.add_argument("--etcd-key", metavar="PEM", help="the client certificate's private key")
+    g.add_argument("--etcd-user", metavar="NAME",
+                   help="etcd auth user (default $RADIXKV_ETCD_USER); grant it readwrite on "
+                   "/radixkv/ only")
+    g.add_argument("--etcd-password-file", metavar="PATH",
+                   help="the etcd user's password: the file's first line (default "
+                   "$RADIXKV_ETCD_PASSWORD)")
+
+
+def etcd_security_from_args(args: argparse.Namespace) -> Any:
+    """The EtcdSecurity the etcd flags (and their RADIXKV_ETCD_* defaults) describe."""
+    from radixkv.cluster.etcd import EtcdSecurity
+    from radixkv.env import etcd_settings
+
+    env = etcd_settings()
+    password = env.get("password")
+    if args.etcd_password_file:
+        try:
+            with open(args.etcd_password_file) as f:
+                password = (f.readline() or "").strip()
+        except OSError as e:
+            raise SystemExit(f"--etcd-password-file: {e}") from None
+    return EtcdSecurity(ca=args.etcd_ca or env.get("ca"), cert=args.etcd_cert,
+                        key=args.etcd_key, user=args.etcd_user or env.get("user"),
+                        password=password)

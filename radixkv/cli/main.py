@@ -12,9 +12,11 @@ from typing import Any
 from gpu_pool.layout import parse_bytes
 from radixkv.cli.flags import (
     add_connection_flags,
+    add_etcd_flags,
     add_layout_flags,
     add_policy_flag,
     add_sink_fraction_flag,
+    etcd_security_from_args,
     layout_from_args,
     positive_float,
     positive_int,
@@ -76,10 +78,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         socket=args.socket, tcp=args.tcp, max_message_bytes=args.max_message_bytes,
         workers=args.workers, stream_workers=args.stream_workers,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        streams_per_peer=args.streams_per_peer, insecure=args.insecure or None,
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
         cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
-        cluster_ttl_s=args.cluster_ttl)
+        cluster_ttl_s=args.cluster_ttl, etcd_security=etcd_security_from_args(args))
     if args.cluster and not args.node_id:
         raise SystemExit("radixkv serve: --cluster needs --node-id")
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
@@ -223,12 +226,17 @@ def _add_serve(sub: Any) -> None:
                    help="Unix socket path (default: $RADIXKV_SOCKET, $XDG_RUNTIME_DIR/radixkv.sock"
                    " or /tmp/radixkv-$UID/radixkv.sock); '' with --tcp for TCP only")
     g.add_argument("--tcp", default=None, metavar="HOST:PORT",
-                   help="also listen on TCP (off by default; use 127.0.0.1 unless you mean it)")
+                   help="also listen on TCP (off by default; use 127.0.0.1 unless you mean it); "
+                   "needs a token (--auth-token-file) or --insecure")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow --tcp without a token (logged loudly): every local user, and "
+                   "anyone who reaches the port, can then read and clear the cache")
     g.add_argument("--tls-cert", metavar="PEM", help="TLS certificate for the TCP port")
     g.add_argument("--tls-key", metavar="PEM", help="TLS private key for the TCP port")
     g.add_argument("--auth-token-file", metavar="PATH",
                    help="require 'authorization: Bearer TOKEN' on every radixkv call (token: "
-                   "the file's first line; default $RADIXKV_AUTH_TOKEN; health stays open)")
+                   "the file's first line; default $RADIXKV_AUTH_TOKEN; only the health Check "
+                   "stays open)")
     g.add_argument("--workers", type=positive_int, default=2,
                    help="threads running calls (2: Python runs one at a time, more only "
                    "contend for the GIL)")
@@ -238,7 +246,11 @@ def _add_serve(sub: Any) -> None:
                    "for it in cache misses (one pinned core: +25-30%% requests/s with 8 "
                    "clients on 2 cores); default: wherever the OS puts it")
     g.add_argument("--stream-workers", type=positive_int, default=16,
-                   help="concurrent server streams, e.g. `radixkv events` subscribers (16)")
+                   help="concurrent server streams, e.g. `radixkv events` subscribers (16); "
+                   "one more is refused (RESOURCE_EXHAUSTED), not queued")
+    g.add_argument("--streams-per-peer", type=positive_int, default=None, metavar="N",
+                   help="server streams one TCP peer may hold (default: half of "
+                   "--stream-workers); Unix-socket clients share the total only")
     g.add_argument("--max-concurrent-rpcs", type=positive_int, default=256, metavar="N",
                    help="calls and streams running or queued at once; one more is refused "
                    "with RESOURCE_EXHAUSTED at once instead of waiting in a queue (256)")
@@ -257,6 +269,7 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--cluster-ttl", type=positive_int, default=5, metavar="SECONDS",
                    help="the registration's etcd lease: a crashed member drops out after this "
                    "(5); a clean stop leaves at once")
+    add_etcd_flags(g)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop (as on SIGTERM) when the process that started this one exits; "

@@ -13,6 +13,7 @@
                 after the Stats read has no snapshot and takes every event after S
     lagged      (the member's replay buffer dropped events we had not read): rebuild
     new epoch   (the member restarted): the resume is refused; rebuild
+    indexed     once the member answers the Events call (its stream runs, not just queued)
     unreachable (connect or stream error): state "unreachable", retry; the index keeps what
                 it had (Route skips the member until it is indexed again); back: resume
                 Events after the last sequence read (same epoch), and rebuild only if that is
@@ -77,8 +78,9 @@ def snapshot_hashes(namespace: str, nodes: list[NodeView], block_size: int) -> s
 class Follower:
     """Follows one member; its public fields are read by Members (racy reads are fine)."""
 
-    def __init__(self, info: MemberInfo, index: ClusterIndex) -> None:
+    def __init__(self, info: MemberInfo, index: ClusterIndex, token: str | None = None) -> None:
         self.info = info
+        self.token = token
         self.index = index
         self.state = "syncing"  # "indexed" | "syncing" | "unreachable"
         self.error = ""
@@ -134,7 +136,7 @@ class Follower:
             self._indexed_at = None
             try:
                 kv = self._kv = Client(self.info.address, client_id=f"router-{id(self):x}",
-                                       timeout=5.0)
+                                       timeout=5.0, token=self.token)
                 if self._resume is not None:
                     self._continue(kv, *self._resume)
                 else:
@@ -222,12 +224,15 @@ class Follower:
         now = kv.pool_info().epoch  # reachable, and still the same service start?
         if now != epoch:
             raise StalePool(f"the member restarted (epoch {epoch} -> {now})")
-        events = kv.events(from_sequence=after + 1, epoch=epoch)
-        self.state, self.error = "indexed", ""
-        self._indexed_at = time.monotonic()
+        events = kv.events(from_sequence=after + 1, epoch=epoch, opened=self._opened)
         self._apply(events, marks, after, epoch)
         if not self._stop.is_set():
             raise Unavailable("the member ended its event stream (stopping?)")
+
+    def _opened(self) -> None:
+        """The member runs our Events stream (its first response came): route to it."""
+        self.state, self.error = "indexed", ""
+        self._indexed_at = time.monotonic()
 
     def _apply(self, events: Any, marks: dict[str, int], after: int, epoch: str) -> None:
         index, me = self.index, self.node_id

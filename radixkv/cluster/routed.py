@@ -19,12 +19,12 @@ import grpc
 
 from radixkv.client import Client
 from radixkv.cluster.router import RankedMember, RouteAnswer
-from radixkv.env import normalize_target
-from radixkv.errors import Unavailable
+from radixkv.env import check_socket_dir, client_tls_ca, client_token, normalize_target
+from radixkv.errors import InvalidArgument, Unavailable
 from radixkv.tokens import to_token_bytes
 from radixkv.v1 import router_pb2 as pb
 from radixkv.v1 import router_pb2_grpc
-from radixkv.wire import message_dict, to_error
+from radixkv.wire import call_credentials, message_dict, to_error
 
 EXCLUDE_S = 2.0  # how long a member that failed a call is left out of our routes
 
@@ -32,15 +32,33 @@ EXCLUDE_S = 2.0  # how long a member that failed a call is left out of our route
 class RouterClient:
     """Typed calls to a `radixkv router`. Thread-safe."""
 
-    def __init__(self, target: str, timeout: float = 10.0) -> None:
+    def __init__(self, target: str, timeout: float = 10.0, token: str | None = None,
+                 tls_ca: str | None = None) -> None:
+        """`token` (default $RADIXKV_AUTH_TOKEN): the cluster token; `tls_ca` (default
+        $RADIXKV_TLS_CA): TLS to a router on TCP, trusting this CA. A Unix socket is checked
+        as a member's is (radixkv.env.check_socket_dir)."""
         self.target = normalize_target(target)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.target)
+        if self.target.startswith("unix://"):
+            check_socket_dir(self.target.removeprefix("unix://"))
+        self._metadata = call_credentials(token or client_token())
+        ca = tls_ca or client_tls_ca()
+        if ca and not self.target.startswith("unix://"):
+            try:
+                with open(ca, "rb") as f:
+                    root = f.read()
+            except OSError as e:
+                raise InvalidArgument(f"cannot read the TLS CA {ca}: {e}") from None
+            self._channel = grpc.secure_channel(
+                self.target, grpc.ssl_channel_credentials(root_certificates=root))
+        else:
+            self._channel = grpc.insecure_channel(self.target)
         self._stub = router_pb2_grpc.RouterStub(self._channel)  # type: ignore[no-untyped-call]
 
     def _call(self, name: str, request: Any) -> Any:
         try:
-            return getattr(self._stub, name)(request, timeout=self.timeout)
+            return getattr(self._stub, name)(request, timeout=self.timeout,
+                                             metadata=self._metadata)
         except grpc.RpcError as e:
             err = to_error(e)
             if isinstance(err, Unavailable) and "failed to connect" in str(err):
@@ -88,8 +106,10 @@ class RouterClient:
 class RoutedClient:
     """Route through a router, keep one Client per member. Not fork-safe."""
 
-    def __init__(self, router: str, client_id: str | None = None, timeout: float = 30.0) -> None:
-        self.router = RouterClient(router)
+    def __init__(self, router: str, client_id: str | None = None, timeout: float = 30.0,
+                 token: str | None = None, tls_ca: str | None = None) -> None:
+        self.router = RouterClient(router, token=token, tls_ca=tls_ca)
+        self.token, self.tls_ca = token, tls_ca
         self.client_id = client_id
         self.timeout = timeout
         self.clients: dict[str, Client] = {}
@@ -110,7 +130,8 @@ class RoutedClient:
             if kv is not None:
                 kv.close()
             kv = self.clients[node_id] = Client(address, client_id=self.client_id,
-                                                timeout=self.timeout)
+                                                timeout=self.timeout, token=self.token,
+                                                tls_ca=self.tls_ca)
             self._addresses[node_id] = address
         return kv
 

@@ -26,7 +26,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from radixkv.cluster.etcd import Etcd, EtcdTarget
+from radixkv.cluster.etcd import NO_SECURITY, Etcd, EtcdSecurity, EtcdTarget
 from radixkv.cluster.follower import Follower
 from radixkv.cluster.index import ClusterIndex
 from radixkv.cluster.membership import MemberInfo
@@ -61,10 +61,15 @@ class RouteAnswer:
 class Router:
     """Start with start(); stop() stops every thread. Thread-safe."""
 
-    def __init__(self, target: EtcdTarget) -> None:
+    def __init__(self, target: EtcdTarget, token: str | None = None,
+                 security: EtcdSecurity = NO_SECURITY) -> None:
+        """`token`: the cluster token; it guards this router's callers, is sent to members,
+        and only member records signed with it are followed (without one, every record is
+        taken as is)."""
         self.target = target
+        self.token = token
         self.index = ClusterIndex()
-        self.etcd = Etcd(target)
+        self.etcd = Etcd(target, security=security)
         self.started = time.monotonic()
         self.routes = 0
         self._members: dict[str, Follower] = {}
@@ -76,8 +81,12 @@ class Router:
         self._threads = [threading.Thread(target=self._watch, name="etcd-watch", daemon=True),
                          threading.Thread(target=self._poll, name="member-poll", daemon=True)]
         self.synced = threading.Event()  # set once membership was read from etcd
+        self._ignored: dict[str, bytes] = {}  # node -> the unverifiable record last logged
 
     def start(self) -> None:
+        if self.token is None:
+            log.warning("no cluster token: member records in %s are followed unverified",
+                        self.target)
         for t in self._threads:
             t.start()
 
@@ -143,9 +152,18 @@ class Router:
     def _join(self, node: str, value: bytes) -> None:
         try:
             info = MemberInfo.from_json(value)
+            if info.node_id != node:
+                raise InvalidArgument(f"its record names node id {info.node_id!r}")
+            if self.token is not None and not info.verified(self.token):
+                raise InvalidArgument(f"its record (address {info.address}) is not signed "
+                                      "with the cluster token; not connecting to it")
         except InvalidArgument as e:
-            log.warning("ignoring member key %s: %s", node, e)
+            if self._ignored.get(node) != value:  # once per record, not on every re-read
+                self._ignored[node] = value
+                log.warning("ignoring member key %s: %s", node, e)
+            self._leave(node, "its record cannot be verified")
             return
+        self._ignored.pop(node, None)
         with self._lock:
             self._missing.pop(node, None)
             old = self._members.get(node)
@@ -153,7 +171,7 @@ class Router:
                     and old.info.epoch == info.epoch:
                 old.info = info  # a re-registration (etcd restarted): keep following
                 return
-            follower = self._members[node] = Follower(info, self.index)
+            follower = self._members[node] = Follower(info, self.index, self.token)
         if old is not None:
             old.stop(join=False)
             self.index.drop(node)

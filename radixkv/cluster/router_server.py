@@ -1,6 +1,11 @@
 """`radixkv router`: the Router (radixkv/cluster/router.py) served over gRPC (radixkv.v1.Router),
 with health checking and reflection. Errors go through the servicer's one status table.
 SIGTERM/SIGINT stop the server, every follower and the etcd watch, and unlink a Unix socket.
+
+Access as on a member (radixkv/server/auth.py): with the cluster token every call but health
+Check needs it; TCP needs a token or --insecure and takes TLS; a Unix socket is created 0600 in
+a directory only this user can write, under a lock file, so a crashed router's stale socket is
+replaced on restart and a live one is never taken over.
 """
 
 from __future__ import annotations
@@ -8,18 +13,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from radixkv.cluster.etcd import EtcdTarget
+from radixkv.cluster.etcd import NO_SECURITY, EtcdSecurity, EtcdTarget
 from radixkv.cluster.router import Router
 from radixkv.errors import AlreadyExists, InvalidArgument
-from radixkv.server.app import stop_on_signals
+from radixkv.server.app import insecure_warning, stop_on_signals
+from radixkv.server.auth import AccessInterceptor, server_credentials
+from radixkv.server.executor import SplitExecutor
 from radixkv.server.servicer import rpc
+from radixkv.server.unix_socket import claim_socket, release_socket
 from radixkv.v1 import router_pb2 as pb
 from radixkv.v1 import router_pb2_grpc
 
@@ -77,16 +85,49 @@ def listen_target(listen: str) -> str:
     raise InvalidArgument(f"--listen {listen!r}: a socket path, unix:///path or HOST:PORT")
 
 
-def serve_router(etcd: str, listen: str, ready: Any = None) -> int:
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """`radixkv router`: where etcd is, where to listen, and who may call."""
+
+    etcd: str
+    listen: str
+    token: str | None = None  # the cluster token: required from callers, sent to members
+    tls_cert: str | None = None  # PEM files: TLS on a TCP listener
+    tls_key: str | None = None
+    insecure: bool = False  # allow TCP without a token (logged loudly)
+    etcd_security: EtcdSecurity = NO_SECURITY
+    stream_workers: int = 4  # health watches and reflection streams at once
+
+
+def serve_router(config: RouterConfig, ready: Any = None) -> int:
     """Run a router until SIGTERM/SIGINT. `ready(address)` is called once it listens."""
-    target = listen_target(listen)
+    target = listen_target(config.listen)
     path = target.removeprefix("unix://") if target.startswith("unix://") else None
-    if path and os.path.exists(path):
-        raise AlreadyExists(f"{path} exists: another router (or a stale socket) is there")
-    router = Router(EtcdTarget.parse(etcd))
-    server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="router"),
+    if not path and not config.token and not config.insecure:
+        raise InvalidArgument(
+            f"--listen {config.listen} is TCP without a token: every local user (and anyone who "
+            "reaches the port) could ask which prompts are cached. Give --auth-token-file (or "
+            "$RADIXKV_AUTH_TOKEN), or --insecure if that is really meant")
+    creds = server_credentials(config.tls_cert, config.tls_key)
+    if creds is not None and path:
+        raise InvalidArgument("--tls-cert/--tls-key are for a TCP --listen")
+    lock = claim_socket(path, "radixkv router") if path else None
+    try:
+        return _serve(config, target, path, creds, ready)
+    finally:
+        if lock is not None and path:
+            release_socket(path, lock)
+
+
+def _serve(config: RouterConfig, target: str, path: str | None,
+           creds: grpc.ServerCredentials | None, ready: Any) -> int:
+    router = Router(EtcdTarget.parse(config.etcd), config.token, config.etcd_security)
+    slots = config.stream_workers
+    server = grpc.server(SplitExecutor(WORKERS, slots),
                          options=[("grpc.so_reuseport", 0),
                                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                         interceptors=[AccessInterceptor(config.token, slots,
+                                                         max(1, slots // 2))],
                          maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     router_pb2_grpc.add_RouterServicer_to_server(  # type: ignore[no-untyped-call]
         RouterServicer(router), server)
@@ -95,16 +136,18 @@ def serve_router(etcd: str, listen: str, ready: Any = None) -> int:
     reflection.enable_server_reflection(
         (ROUTER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    if path:
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
     old = os.umask(0o177)
     try:
-        port = server.add_insecure_port(target)
+        port = (server.add_secure_port(target, creds) if creds is not None
+                else server.add_insecure_port(target))
     finally:
         os.umask(old)
     if port == 0:
         raise AlreadyExists(f"cannot listen on {target}")
     address = target if path else f"{target.rsplit(':', 1)[0]}:{port}"
+    if not path and not config.token:
+        for line in insecure_warning(address):
+            log.warning("%s", line)
     done = stop_on_signals()
     try:
         router.start()
@@ -120,8 +163,5 @@ def serve_router(etcd: str, listen: str, ready: Any = None) -> int:
         health_servicer.enter_graceful_shutdown()
         server.stop(1).wait()
         router.stop()
-        if path and os.path.exists(path):
-            os.unlink(path)
         log.info("radixkv router stopped")
     return 0
-

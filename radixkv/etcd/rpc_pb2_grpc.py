@@ -49,6 +49,11 @@ class KVStub:
                 request_serializer=radixkv_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.SerializeToString,
                 response_deserializer=radixkv_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.FromString,
                 _registered_method=True)
+        self.Txn = channel.unary_unary(
+                '/etcdserverpb.KV/Txn',
+                request_serializer=radixkv_dot_etcd_dot_rpc__pb2.TxnRequest.SerializeToString,
+                response_deserializer=radixkv_dot_etcd_dot_rpc__pb2.TxnResponse.FromString,
+                _registered_method=True)
 
 
 class KVServicer:
@@ -72,6 +77,12 @@ class KVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Txn(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_KVServicer_to_server(servicer, server):
                     servicer.DeleteRange,
                     request_deserializer=radixkv_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.FromString,
                     response_serializer=radixkv_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.SerializeToString,
+            ),
+            'Txn': grpc.unary_unary_rpc_method_handler(
+                    servicer.Txn,
+                    request_deserializer=radixkv_dot_etcd_dot_rpc__pb2.TxnRequest.FromString,
+                    response_serializer=radixkv_dot_etcd_dot_rpc__pb2.TxnResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class KV:
             '/etcdserverpb.KV/DeleteRange',
             radixkv_dot_etcd_dot_rpc__pb2.DeleteRangeRequest.SerializeToString,
             radixkv_dot_etcd_dot_rpc__pb2.DeleteRangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Txn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.KV/Txn',
+            radixkv_dot_etcd_dot_rpc__pb2.TxnRequest.SerializeToString,
+            radixkv_dot_etcd_dot_rpc__pb2.TxnResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -402,6 +445,78 @@ class Lease:
             '/etcdserverpb.Lease/LeaseKeepAlive',
             radixkv_dot_etcd_dot_rpc__pb2.LeaseKeepAliveRequest.SerializeToString,
             radixkv_dot_etcd_dot_rpc__pb2.LeaseKeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AuthStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Authenticate = channel.unary_unary(
+                '/etcdserverpb.Auth/Authenticate',
+                request_serializer=radixkv_dot_etcd_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=radixkv_dot_etcd_dot_rpc__pb2.AuthenticateResponse.FromString,
+                _registered_method=True)
+
+
+class AuthServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Authenticate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AuthServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Authenticate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authenticate,
+                    request_deserializer=radixkv_dot_etcd_dot_rpc__pb2.AuthenticateRequest.FromString,
+                    response_serializer=radixkv_dot_etcd_dot_rpc__pb2.AuthenticateResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'etcdserverpb.Auth', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('etcdserverpb.Auth', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Auth:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Authenticate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.Auth/Authenticate',
+            radixkv_dot_etcd_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
+            radixkv_dot_etcd_dot_rpc__pb2.AuthenticateResponse.FromString,
             options,
             channel_credentials,
             insecure,

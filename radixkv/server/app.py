@@ -8,13 +8,11 @@ drain in-flight calls, then unlink the socket and the pool's shared memory.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import logging
 import os
 import signal
 import threading
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,22 +20,41 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_pool import create_pool
-from radixkv.env import check_socket_dir
-from radixkv.errors import AlreadyExists, InvalidArgument, PermissionDenied, RadixKVError
-from radixkv.server.auth import TokenInterceptor, server_credentials
+from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.server.auth import AccessInterceptor, server_credentials
 from radixkv.server.config import ServerConfig
 from radixkv.server.executor import SplitExecutor
 from radixkv.server.metrics import Metrics
 from radixkv.server.servicer import SERVICE_NAME, Servicer
+from radixkv.server.unix_socket import claim_socket, release_socket
 from radixkv.service import KVService
 from radixkv.v1 import radixkv_pb2, radixkv_pb2_grpc
 
 log = logging.getLogger("radixkv.server.app")
 
+def check_exposure(config: ServerConfig) -> None:
+    """TCP reaches every local user (and, beyond loopback, the network): it needs a token,
+    unless the operator says --insecure (InvalidArgument otherwise)."""
+    if config.tcp and not config.auth_token and not config.insecure:
+        raise InvalidArgument(
+            f"--tcp {config.tcp} without a token: every local user (and anyone who reaches the "
+            "port) could read and clear the cache. Give --auth-token-file (or "
+            "$RADIXKV_AUTH_TOKEN), or --insecure if that is really meant")
+
+
+def insecure_warning(where: str) -> list[str]:
+    """The lines logged when a TCP listener runs without a token (--insecure)."""
+    bar = "!" * 72
+    return [bar, f"INSECURE: {where} accepts every call without a token (--insecure): any local "
+            "user, and anyone who reaches the port, can read cached token ids (DumpTree), "
+            "pin and clear the cache", bar]
+
+
 class RadixKVServer:
     """Owns the pool, the service, the grpc server and the lease sweeper."""
 
     def __init__(self, config: ServerConfig) -> None:
+        check_exposure(config)
         self.config = config
         self._lock_file: Any = None
         self._stopped = threading.Event()
@@ -64,7 +81,8 @@ class RadixKVServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = [TokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        per_peer = cfg.streams_per_peer or max(1, cfg.stream_workers // 2)
+        interceptors = [AccessInterceptor(cfg.auth_token, cfg.stream_workers, per_peer)]
         server = grpc.server(SplitExecutor(cfg.workers, cfg.stream_workers),
                              options=options, interceptors=interceptors,
                              maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
@@ -96,6 +114,9 @@ class RadixKVServer:
         if cfg.tcp:
             creds = server_credentials(cfg.tls_cert, cfg.tls_key)
             host = cfg.tcp.rsplit(":", 1)[0]
+            if not cfg.auth_token:
+                for line in insecure_warning(cfg.tcp):
+                    log.warning("%s", line)
             if creds is None and host not in ("127.0.0.1", "localhost", "[::1]"):
                 log.warning("TCP %s without TLS: anyone who reaches it can read the traffic; "
                             "give --tls-cert/--tls-key", cfg.tcp)
@@ -134,30 +155,14 @@ class RadixKVServer:
                          self.pool.num_blocks, layout.bytes_per_block,
                          f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
                          f"{layout.head_dim}, {layout.dtype}", cfg.cluster_ttl_s)
-        registration = Registration(EtcdTarget.parse(cfg.cluster or ""), info, cfg.cluster_ttl_s)
+        registration = Registration(EtcdTarget.parse(cfg.cluster or ""), info, cfg.cluster_ttl_s,
+                                    token=cfg.auth_token, security=cfg.etcd_security,
+                                    bound=frozenset(self.addresses))
         registration.start()  # Unavailable without etcd: the server stops, nothing registered
         self.registration = registration
 
     def _bind_unix(self, path: str) -> None:
-        if len(path) > 107:
-            raise InvalidArgument(f"unix socket path is {len(path)} characters, limit 107: {path}")
-        directory = Path(path).parent
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        check_socket_dir(path)
-        try:  # never through a symlink another user planted
-            fd = os.open(path + ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
-        except OSError as e:
-            raise PermissionDenied(f"cannot open the lock file {path}.lock: {e}") from None
-        self._lock_file = os.fdopen(fd, "w")
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            self._lock_file = None
-            raise AlreadyExists(f"another radixkv server holds {path} (lock {path}.lock)") from None
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket: its server is gone (we hold the lock)
+        self._lock_file = claim_socket(path, "radixkv server")
         old = os.umask(0o177)  # the socket is created 0600: only this user may connect
         try:
             if self._server.add_insecure_port(f"unix://{path}") == 0:
@@ -187,13 +192,7 @@ class RadixKVServer:
             self.metrics.stop_http()
         path = self.config.socket_path
         if self._lock_file is not None and path:
-            if os.path.exists(path):
-                os.unlink(path)
-            self._lock_file.close()
-            try:
-                os.unlink(path + ".lock")
-            except FileNotFoundError:
-                pass
+            release_socket(path, self._lock_file)
         self.pool.close()
         log.info("radixkv stopped")
 

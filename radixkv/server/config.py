@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpu_pool.layout import KVLayout
+from radixkv.cluster.etcd import NO_SECURITY, EtcdSecurity
 from radixkv.env import default_socket_path, server_settings
 from radixkv.server.auth import read_token
 from radixkv.service_config import ServiceConfig
@@ -27,17 +28,20 @@ class ServerConfig:
     tcp: str | None = None  # "HOST:PORT" to also listen on TCP
     max_message_bytes: int = 64 << 20
     workers: int = 2  # threads running calls (radixkv/server/executor.py says why so few)
-    stream_workers: int = 16  # concurrent server streams (Events subscribers, ...)
+    stream_workers: int = 16  # concurrent server streams (Events subscribers, ...); more refused
+    streams_per_peer: int | None = None  # server streams one TCP peer may hold (None: half)
     # calls and streams in progress or queued at once; past it RESOURCE_EXHAUSTED at once
     max_concurrent_rpcs: int = 256
     metrics_port: int | None = None
     tls_cert: str | None = None  # PEM files: TLS on the TCP port
     tls_key: str | None = None
-    auth_token: str | None = None  # required from every radixkv.v1 call when set
+    auth_token: str | None = None  # required from every call (but health Check) when set
+    insecure: bool = False  # allow TCP without a token (logged loudly)
     cluster: str | None = None  # etcd://HOST:PORT[/CLUSTER]: register as a member there
     node_id: str | None = None  # this member's id in the cluster (required with cluster)
     advertise: str | None = None  # the address members publish (default: the first bound)
     cluster_ttl_s: int = 5  # the etcd lease of the registration: a crashed member expires
+    etcd_security: EtcdSecurity = NO_SECURITY  # TLS and auth toward etcd
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
     @classmethod

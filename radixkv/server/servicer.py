@@ -276,6 +276,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
                 f"from_sequence {request.from_sequence} is ahead of the last event {last} "
                 f"(pool epoch {self.service.epoch}; did the service restart?)"))
         after = request.from_sequence - 1 if request.from_sequence else last
+        context.send_initial_metadata(())  # the subscriber knows its stream runs
         while context.is_active() and not self._closing.is_set():
             events, lagged = log_.read(after, timeout=0.25)
             if lagged:
