@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -258,11 +259,21 @@ class Client:
 
     # ---- inspection --------------------------------------------------------------------------
 
-    def stats(self, check_integrity: bool = False) -> dict[str, Any]:
+    def stats(self, check_integrity: bool = False, wait_s: float = 1.0) -> dict[str, Any]:
         """Counters as a dict (proto field names). With `check_integrity`, the service also
-        checks its invariants and reports "ok" or the failure under "integrity"."""
-        resp = self._call("Stats", pb.StatsRequest(check_integrity=check_integrity))
-        return message_dict(resp)
+        checks its invariants and reports "ok" or the failure under "integrity"; the service
+        rate-limits that check (LimitExceeded with the time to wait), and this call waits and
+        asks again while the wait fits in `wait_s` seconds (0: never)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                resp = self._call("Stats", pb.StatsRequest(check_integrity=check_integrity))
+                return message_dict(resp)
+            except errors.LimitExceeded as e:
+                wait = e.retry_after_s
+                if wait is None or time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait)
 
     def clear(self, namespace: str) -> int:
         """Drop a namespace's whole cache; returns the blocks freed. FailedPrecondition while

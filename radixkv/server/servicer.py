@@ -30,7 +30,7 @@ from radixkv.service import KVService
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
-from radixkv.wire import ERROR_KEY, STATUS, layout_pb, pool_info_pb
+from radixkv.wire import STATUS, layout_pb, pool_info_pb, trailing_metadata
 
 log = logging.getLogger("radixkv.server.app")
 
@@ -52,7 +52,7 @@ def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn
     """Abort through the one table: a project error keeps its status and class name; anything
     else is a bug and becomes INTERNAL. Raises (grpc's abort always does)."""
     if isinstance(e, RadixKVError):
-        context.set_trailing_metadata(((ERROR_KEY, type(e).__name__),))
+        context.set_trailing_metadata(trailing_metadata(e))
         context.abort(STATUS.get(type(e), grpc.StatusCode.INTERNAL), str(e))
     else:
         log.error("internal error in %s", method, exc_info=e)
@@ -132,7 +132,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         self.observer = observer
         self._closing = threading.Event()
         self._integrity_lock = threading.Lock()
-        self._integrity_next = 0.0  # monotonic time before which Stats skips the check
+        self._integrity_next = 0.0  # monotonic time before which Stats refuses the check
+        self._integrity_spent = 0.0  # seconds the last check took
 
     def close(self) -> None:
         """End open Events streams (at shutdown), so they do not hold up the grace period."""
@@ -220,25 +221,27 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
 
     def _integrity(self) -> str:
         """"ok" or "FAILED: <the invariant>". The check is O(pool), so it may use at most
-        INTEGRITY_SHARE of the time: one asked for sooner waits (up to 50 ms) or gets
-        LimitExceeded with the wait."""
-        with self._integrity_lock:
+        INTEGRITY_SHARE of the time: one asked for sooner, or while another runs, gets
+        LimitExceeded with the time to wait at once (a call thread never sleeps here)."""
+        if not self._integrity_lock.acquire(blocking=False):
+            wait = self._integrity_spent / INTEGRITY_SHARE
+            raise LimitExceeded(f"an integrity check is running; retry in {wait:.3f} s", wait)
+        try:
             now = time.monotonic()
-            if 0 < self._integrity_next - now <= 0.05:
-                time.sleep(self._integrity_next - now)
-                now = time.monotonic()
             if now < self._integrity_next:
+                wait = self._integrity_next - now
                 raise LimitExceeded(f"integrity checks are limited to {INTEGRITY_SHARE:.0%} of "
-                                    f"the server's time; retry in "
-                                    f"{self._integrity_next - now:.3f} s")
+                                    f"the server's time; retry in {wait:.3f} s", wait)
             try:
                 self.service.check_integrity()
                 result = "ok"
             except IntegrityError as e:
                 result = f"FAILED: {e}"
-            spent = time.monotonic() - now
-            self._integrity_next = now + spent / INTEGRITY_SHARE
+            self._integrity_spent = time.monotonic() - now
+            self._integrity_next = now + self._integrity_spent / INTEGRITY_SHARE
             return result
+        finally:
+            self._integrity_lock.release()
 
     @rpc
     def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
