@@ -81,7 +81,7 @@ class Namespace:
         m = self.tree.match(tokens)
         if m.num_tokens:
             self.tree.lock(m.handle)
-            lease.handles.append(m.handle)
+            self._pin(lease, m.handle)
         self.life.requests += 1
         self.life.query_tokens += num_tokens(tokens)
         self.life.hit_tokens += m.num_tokens
@@ -138,8 +138,28 @@ class Namespace:
         result = self._tree_insert(tokens, block_ids, hint, window_ids)
         deque(map(lease.owned.pop, result.adopted + result.duplicates), 0)
         if pin and (handle := self.tree.lock_inserted()) is not None:
-            lease.handles.append(handle)
+            self._pin(lease, handle)
         return result
+
+    def _pin(self, lease: Lease, handle: object) -> None:
+        """Add a locked handle to the lease's pins, one per path: a path that a pin of the lease
+        already holds is unlocked again (that pin moves last: it is the deepest the lease
+        pinned lately, for the release hint), and the pins whose paths this one holds are
+        unlocked and replaced by it. So repeated Inserts never grow a lease's pins."""
+        tree, handles = self.tree, lease.handles
+        for i, held in enumerate(handles):
+            if tree.covers(held, handle):
+                tree.unlock(handle)
+                handles.append(handles.pop(i))
+                return
+        kept = []
+        for held in handles:
+            if tree.covers(handle, held):
+                tree.unlock(held)
+            else:
+                kept.append(held)
+        kept.append(handle)
+        lease.handles = kept
 
     def _tree_insert(self, tokens: bytes, block_ids: Sequence[int], hint: int,
                      window_ids: Sequence[int]) -> InsertResult:

@@ -264,6 +264,14 @@ class RadixTree:
         self.lock(handle, hit=False)
         return handle
 
+    def covers(self, handle: object, other: object) -> bool:
+        """Whether `handle`'s path holds all of `other`'s: other's end node is on it (handles
+        of this tree, each locked or fresh)."""
+        node, end = self._check_handle(handle).node, self._check_handle(other).node
+        while node is not end and node is not self._root:
+            node = node.parent
+        return node is end
+
     def hint(self, handle: object, hint: str | int | None) -> None:
         """Give the end of a match handle's path a retention hint, which the `adaptive` policy
         uses (others ignore it) until that node's next hit: `session_end` (the prompt's unique
