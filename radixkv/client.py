@@ -67,7 +67,10 @@ class Client:
         self.timeout = timeout
         self._metadata = call_credentials(token or client_token())
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   # a connection of its own: the server's per-client limits count TCP
+                   # connections, and two Clients of one process are two clients
+                   ("grpc.use_local_subchannel_pool", 1)]
         ca = tls_ca or client_tls_ca()
         if ca:
             try:

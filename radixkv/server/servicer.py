@@ -116,6 +116,17 @@ def _owner(client_id: str) -> str:
     return client_id
 
 
+def _client(context: Any, client_id: str) -> str:
+    """What the lease limits count a call's new leases under: its connection where the
+    transport tells connections apart (TCP: the peer's address and port, which the client
+    cannot choose per call), else its client id (on the Unix socket every peer is "unix:"; its
+    0600 mode admits the server's own user only)."""
+    peer = context.peer() if context is not None else ""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return f"connection {peer}"
+    return f"client id {client_id!r}"
+
+
 def _batch(what: str, items: Any) -> Any:
     if not items:
         raise InvalidArgument(f"{what} needs at least one")
@@ -152,7 +163,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         store = [q.store_tokens for q in queries]
         outcomes = self.service.match_many(
             _owner(request.client_id), [(q.namespace, q.tokens) for q in queries],
-            request.lease_ttl_s or None, store if any(store) else None)
+            request.lease_ttl_s or None, store if any(store) else None,
+            client=_client(context, request.client_id))
         response = pb.MatchResponse(epoch=self.service.epoch)
         add = response.results.add  # ~1.5 us less per result than building a list (upb)
         add_result = self.service.kind.add_result  # the namespace kind writes its own answers
@@ -165,7 +177,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
                                   request.namespace, request.num_blocks,
                                   request.lease_ttl_s or None, request.starts_sequence,
-                                  request.num_window_blocks)
+                                  request.num_window_blocks,
+                                  client=_client(context, request.client_id))
         return pb.AllocateResponse(epoch=self.service.epoch, lease_id=o.lease_id,
                                    block_ids=ids_to_bytes(o.block_ids),
                                    num_evicted=o.num_evicted,
