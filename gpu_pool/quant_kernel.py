@@ -39,6 +39,9 @@ NAME = "radixkv_quant"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing",
           "-fopenmp"]
 DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}  # quant_kernel.cpp Dtype
+# encode's answers other than 0 (written): quant_kernel.cpp Refusal
+NON_FINITE = 1  # K/V holds NaN or Inf
+BEYOND_FP16 = 2  # a scale or minimum would overflow fp16
 
 _lock = threading.Lock()
 _loaded: list[Any] = []  # [torch.ops.radixkv_quant] once loaded, [None] when it cannot be
