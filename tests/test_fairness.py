@@ -7,12 +7,18 @@ from __future__ import annotations
 import re
 import time
 
+import grpc
 import numpy as np
 import pytest
+from _kv import make_service, toks
 from _server import running_server
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixkv import errors
 from radixkv.client import Client
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -105,16 +111,78 @@ def test_global_lease_cap_by_default():
 
 
 def test_integrity_rate_limit_answers_at_once():
-    """A check asked for before its turn gets LimitExceeded with the retry time at once (no
-    call thread sleeps); after that time it runs."""
-    with running_server(num_blocks=16384) as s, Client(s.socket) as kv:
-        assert kv.stats(check_integrity=True)["integrity"] == "ok"
-        start = time.perf_counter()
-        with pytest.raises(errors.LimitExceeded, match=r"retry in \d+\.\d+ s") as e:
-            kv.stats(check_integrity=True, wait_s=0)
-        assert time.perf_counter() - start < 0.05
-        retry = e.value.retry_after_s
-        assert retry is not None and 0 < retry < 1
+    """A check asked for right after another, before its turn, gets LimitExceeded
+    (RESOURCE_EXHAUSTED) with the retry time at once (no call thread sleeps); after that time
+    it runs; the Client waits its turn. (Its turn comes 10x the last check's time later, about
+    25 ms on 16k blocks; a few tries, in case the machine is slow enough to miss one.)"""
+    with running_server(num_blocks=16384) as s, \
+            grpc.insecure_channel(f"unix://{s.socket}") as channel:
+        stub = radixkv_pb2_grpc.RadixKVStub(channel)
+        ask = pb.StatsRequest(check_integrity=True)
+        refused = None
+        for _ in range(5):
+            time.sleep(0.3)
+            assert stub.Stats(ask, timeout=10).integrity == "ok"
+            start = time.perf_counter()
+            try:
+                stub.Stats(ask, timeout=10)
+            except grpc.RpcError as e:
+                assert time.perf_counter() - start < 0.05
+                refused = e
+                break
+        assert refused is not None, "every early check was answered (after a sleep)"
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert re.search(r"retry in \d+\.\d+ s", refused.details())
+        retry = float(dict(refused.trailing_metadata())["radixkv-retry-after"])
+        assert 0 < retry < 1
         time.sleep(retry + 0.01)
-        assert kv.stats(check_integrity=True, wait_s=0)["integrity"] == "ok"
-        assert kv.stats(check_integrity=True)["integrity"] == "ok"  # the client waits its turn
+        assert stub.Stats(ask, timeout=10).integrity == "ok"
+        with Client(s.socket) as kv:
+            for _ in range(5):  # back to back: the client waits the time the server names
+                assert kv.stats(check_integrity=True)["integrity"] == "ok"
+
+
+# ---- the limits against a reference, in process ------------------------------------------------
+
+opens = st.lists(st.one_of(
+    st.tuples(st.just("open"), st.sampled_from("abc"),
+              st.lists(st.sampled_from([f"ns{i}" for i in range(6)]), min_size=1, max_size=4)),
+    st.tuples(st.just("release"), st.integers(0, 30), st.just([]))), max_size=40)
+
+
+@given(opens)
+def test_limits_match_a_reference(ops):
+    """Leases opened by three clients in six namespaces: a Match is refused (LimitExceeded,
+    nothing opened) exactly when it would pass one of the limits, counted as a plain
+    reference counts them."""
+    limits = dict(max_namespaces=5, max_namespaces_per_client=3, max_leases=10,
+                  max_leases_per_client=6)
+    svc = make_service(num_blocks=8, lease_ttl_s=60, **limits)
+    live: dict[int, tuple[str, str]] = {}  # lease id -> (client, namespace)
+    try:
+        for op, who, names in ops:
+            if op == "release":
+                if live:
+                    lid = sorted(live)[who % len(live)]
+                    svc.release("e", [lid])
+                    del live[lid]
+                continue
+            mine = [ns for c, ns in live.values() if c == who]
+            spaces = {ns for _, ns in live.values()} | set(names)
+            refuse = (len(spaces) > limits["max_namespaces"]
+                      or len(live) + len(names) > limits["max_leases"]
+                      or len(mine) + len(names) > limits["max_leases_per_client"]
+                      or len(set(mine) | set(names)) > limits["max_namespaces_per_client"])
+            try:
+                got = svc.match_many("e", [(ns, toks(1, 2, 3, 4)) for ns in names],
+                                     client=who)
+            except errors.LimitExceeded:
+                assert refuse
+            else:
+                assert not refuse
+                live.update({m.lease_id: (who, ns) for m, ns in zip(got, names, strict=True)})
+            assert svc.stats().live_leases == len(live)
+            assert sorted(svc.namespaces()) == sorted({ns for _, ns in live.values()})
+            svc.check_integrity()
+    finally:
+        svc.pool.close()
