@@ -31,8 +31,10 @@ class ServiceConfig:
             if not 0 < value < float("inf"):
                 raise InvalidArgument(f"ServiceConfig.{name} must be positive, got {value!r}")
         if self.namespaces_per_client > self.max_namespaces:
-            raise InvalidArgument(f"namespaces per client ({self.namespaces_per_client}) exceed "
-                                  f"the namespaces in all ({self.max_namespaces})")
+            raise InvalidArgument(
+                f"namespaces per client ({self.namespaces_per_client}, "
+                f"--max-namespaces-per-client) exceed the namespaces in all "
+                f"({self.max_namespaces}, --max-namespaces)")
         if self.lease_ttl_s > self.max_lease_ttl_s:
             raise InvalidArgument(f"lease ttl {self.lease_ttl_s:g} s exceeds the cap "
                                   f"{self.max_lease_ttl_s:g} s")

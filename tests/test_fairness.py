@@ -5,6 +5,8 @@ lease cap bounds the table, and the integrity check's rate limit answers at once
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import grpc
@@ -55,6 +57,16 @@ def test_share_of_namespaces_is_a_flag():
             a.match("a3", tokens(4))
         b.match_many([(f"b{i}", tokens(4)) for i in range(3)])
         assert len(a.stats()["namespaces"]) == 6
+
+
+def test_a_share_larger_than_the_whole_is_refused_at_startup(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "radixkv", "serve", "--socket",
+                          str(tmp_path / "s.sock"), "--max-namespaces", "4",
+                          "--max-namespaces-per-client", "8"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "(8, --max-namespaces-per-client) exceed the namespaces in all (4" in out.stderr
+    assert not (tmp_path / "s.sock").exists()
 
 
 def tcp_port(banner: str) -> str:
