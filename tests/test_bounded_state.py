@@ -40,9 +40,10 @@ steps = st.lists(st.tuples(st.sampled_from(["insert", "match", "release"]),
 
 @given(steps)
 def test_pins_stay_one_per_lease_and_path(ops):
-    """Whatever a lease inserts (prefixes, extensions, the same prompt again), no node is
-    pinned more often than there are live leases, and releasing every lease unpins all."""
-    svc = make_service(num_blocks=32, lease_ttl_s=60)
+    """Whatever leases insert along one sequence (prefixes, extensions, the same prompt
+    again), a lease pins its deepest path once: no node is pinned more often than there are
+    live leases, and releasing every lease unpins all."""
+    svc = make_service(num_blocks=256, lease_ttl_s=60)  # room for 40 leases of 6 blocks
     try:
         seq = toks(*range(6 * BS))
         fill(svc, "ns", seq[:2 * BS * 4])  # two blocks cached
