@@ -43,7 +43,7 @@ class Lease:
     expires_at: float
     ttl_s: float
     client: str  # what the limits count it under, e.g. "client id 'x'", "connection ipv4:..."
-    # tree lock handles by the end node of their path, one per path (Namespace.pin), in the
+    # tree lock handles by the end node of their path, one per path (kinds.py), in the
     # order they were pinned or last pinned again; paths known to be held by one of them
     handles: dict[object, object] = field(default_factory=dict)
     covered: set[object] = field(default_factory=set)
