@@ -28,7 +28,10 @@ ops; `scatter` quantizes in one batch and writes rows with one index_copy_ per r
 loops over blocks in Python.
 
 A zero scale or minimum is stored as +0: the sign a reduction gives an all-zero group depends on
-where the group falls in torch's vector loops, and the bytes must not.
+where the group falls in torch's vector loops, and the bytes must not. A write whose scale or
+minimum would not fit fp16 (finite K/V beyond about 8.3e6 for int8, +-65504 or a range of about
+9.8e5 for int4) is refused like NaN/Inf, before anything is written: fp16 would store Inf and
+the block would read back as NaN/Inf.
 """
 
 from __future__ import annotations
@@ -142,6 +145,10 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
 # ---- quantize: engine-layout K, V -> segments ---------------------------------------------
 
 NON_FINITE = "KV holds NaN or Inf: refusing to quantize it into the pool"
+BEYOND_FP16 = ("KV values beyond what a quantized block's fp16 scales hold (int8: |x| up to "
+               "about 8.3e6; int4: a minimum within +-65504 and a group's or channel's range up "
+               "to about 9.8e5): refusing to quantize them into the pool (they would read back "
+               "as NaN or Inf)")
 
 
 def _refuse_non_finite(extreme: torch.Tensor) -> None:
@@ -151,6 +158,14 @@ def _refuse_non_finite(extreme: torch.Tensor) -> None:
 
     if not bool(torch.isfinite(extreme).all()):
         raise InvalidArgument(NON_FINITE)
+
+
+def _refuse_beyond_fp16(scale: torch.Tensor, zero: torch.Tensor) -> None:
+    """Finite K/V whose fp16 scale or minimum overflowed (to Inf) cannot be stored."""
+    import torch
+
+    if not bool(torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+        raise InvalidArgument(BEYOND_FP16)
 
 
 def _quantize(x: torch.Tensor, int8: bool, group: int, channel: bool
@@ -189,7 +204,8 @@ def encode_from(layout: KVLayout, k: torch.Tensor, v: torch.Tensor,
                 seg: dict[str, torch.Tensor]) -> None:
     """Quantize k, v ([layers, n, block_size, heads, head_dim], any float dtype) into the
     segments' views ([n, layers, ...]), a cache-sized chunk at a time. InvalidArgument on NaN
-    or Inf (what was written so far stays in `seg`)."""
+    or Inf, or on values whose fp16 scale or minimum would overflow (what was written so far
+    stays in `seg`)."""
     for layers, blocks in _chunks(layout, k.shape[1]):
         part = {name: _to_blocks(t[blocks, layers]) for name, t in seg.items()}
         for i, x in ((0, k[layers, blocks]), (1, v[layers, blocks])):
@@ -198,6 +214,7 @@ def encode_from(layout: KVLayout, k: torch.Tensor, v: torch.Tensor,
                 x, layout.dtype == "int8", layout.group,
                 name == "k" and layout.key_scales == "channel")
             _refuse_non_finite(extremes)
+            _refuse_beyond_fp16(scale, zero)
             part["data"][:, :, i].copy_(codes)
             part[f"{name}_scale"].copy_(scale)
             if layout.dtype == "int4":
@@ -355,7 +372,8 @@ def gather(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids:
 def scatter(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids: Sequence[int],
             k: torch.Tensor, v: torch.Tensor) -> None:
     """Quantize k, v ([layers, tokens, kv_heads, head_dim], tokens = len(block_ids) x
-    block_size) into blocks `block_ids` (distinct). Refuses NaN/Inf before writing anything."""
+    block_size) into blocks `block_ids` (distinct). Refuses NaN/Inf, and values beyond what
+    fp16 scales hold, before writing anything."""
     import torch
 
     n_plain = plain.shape[0]
@@ -371,8 +389,10 @@ def scatter(layout: KVLayout, plain: torch.Tensor, sink: torch.Tensor, block_ids
     k, v = k.to(dev).contiguous(), v.to(dev).contiguous()
     kernel = quant_kernel.usable(plain, k.dtype) if k.dtype == v.dtype else None
     if kernel is not None:  # checks every value before it writes any
-        if not kernel.encode(k, v, id_tensor, plain, sink, quant_kernel.format_of(layout)):
-            raise InvalidArgument(NON_FINITE)
+        refused = kernel.encode(k, v, id_tensor, plain, sink, quant_kernel.format_of(layout))
+        if refused:
+            raise InvalidArgument(NON_FINITE if refused == quant_kernel.NON_FINITE
+                                  else BEYOND_FP16)
         return
     sink_pos, plain_pos = _order(ids, n_plain + sink.shape[0], sink.shape[0])
     kb, vb = _per_block(k, layout), _per_block(v, layout)

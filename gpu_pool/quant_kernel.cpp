@@ -1,10 +1,10 @@
 // Quantized KV blocks on the CPU: gpu_pool/quant.py's gather (dequantize on read) and scatter
 // (quantize on write) as loops over each (block, layer), on torch's threads: gather reads a
 // block's row and writes model-dtype K/V in one pass; scatter finds every range first (and
-// refuses NaN / Inf before writing anything), then writes scales and codes. The torch ops in
-// quant.py are the reference: the same arithmetic in the same order, in fp32, rounding half to
-// even, so bytes and values are the same bit for bit (tests/test_quant_kernel.py). Built and
-// loaded by gpu_pool/quant_kernel.py.
+// refuses NaN / Inf, and scales beyond fp16, before writing anything), then writes scales and
+// codes. The torch ops in quant.py are the reference: the same arithmetic in the same order, in
+// fp32, rounding half to even, so bytes and values are the same bit for bit
+// (tests/test_quant_kernel.py). Built and loaded by gpu_pool/quant_kernel.py.
 //
 // The loops are plain C++ that the compiler vectorizes: fp16 / bf16 conversions are written
 // branch-free (as c10::Half does them; F16C / AVX-512 instructions where the CPU has them), and
@@ -213,9 +213,11 @@ struct Scratch {
   std::vector<typename E::Key> kmin, kmax;
   std::vector<float> values, lo, hi, lof, inv;
   std::vector<uint8_t> codes;
+  std::vector<uint16_t> scale, zero;  // per-channel scales checked in the first pass
   explicit Scratch(const Format& f) : zeros(f.H * f.D), values(f.D), codes(f.D) {
     const size_t n = std::max(f.H * f.D, f.B * f.H * (f.D / f.group));
     kmin.resize(n), kmax.resize(n), lo.resize(n), hi.resize(n), lof.resize(n), inv.resize(n);
+    scale.resize(n), zero.resize(n);
   }
 };
 
@@ -463,6 +465,13 @@ bool finite(const typename In::Key* __restrict kmin, const typename In::Key* __r
   return lo > order_key<In>(In::store(-INFINITY)) && hi < order_key<In>(inf) && largest < inf;
 }
 
+// Every fp16 of h[0, n) finite? (Inf and NaN have all exponent bits set.)
+bool halfs_finite(const uint16_t* __restrict h, int64_t n) {
+  uint16_t largest = 0;
+  for (int64_t i = 0; i < n; ++i) largest = std::max<uint16_t>(largest, h[i] & 0x7fff);
+  return largest < 0x7c00;
+}
+
 // One layer's slab of K (kv 0) or V of one block, [B, H, D]; a sink block's first `first`
 // tokens are zeros in the quantized part.
 template <typename In>
@@ -533,11 +542,15 @@ void slab_codes(const Slab<In>& slab, Scratch<In>& s, const float* lof, const fl
   }
 }
 
+// What encode answers (quant_kernel.py reads the same numbers).
+enum Refusal : int64_t { kWritten = 0, kNonFinite = 1, kBeyondFp16 = 2 };
+
 // K, V [L, n x B, H, D] -> rows of blocks `ids`, in two passes over the (block, layer) slabs:
-// all ranges (and the per-token scales, a group's worth of values each), then, only if every
-// value was finite, the rows: nothing is written for KV with a NaN or Inf. Per-channel scales,
-// one per B values, are computed in the second pass from the ranges again.
-bool encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& ids,
+// all ranges and scales (the per-token ones kept, a group's worth of values each), then, only
+// if every value was finite and every fp16 scale and minimum too, the rows: nothing is written
+// for KV with a NaN or Inf (kNonFinite) or beyond what fp16 scales hold (kBeyondFp16).
+// Per-channel scales, one per B values, are computed again in the second pass.
+int64_t encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& ids,
             const at::Tensor& plain, const at::Tensor& sink, c10::IntArrayRef format) {
   const Format f(format);
   const Rows rows(plain, sink, ids);
@@ -546,7 +559,7 @@ bool encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& ids,
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.numel() == f.L * n * per_block &&
               v.scalar_type() == k.scalar_type() && v.numel() == k.numel(),
               "quant kernel: bad K/V inputs");
-  bool ok = true;
+  int64_t refusal = kWritten;
   dispatch(dtype_code(k), [&](auto in_type) {
     using In = decltype(in_type);
     const auto* ki = static_cast<const typename In::T*>(k.data_ptr());
@@ -560,20 +573,27 @@ bool encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& ids,
     std::vector<uint16_t> scale(items * per_item), zero(items * per_item);
     std::vector<float> lof(items * per_item), inv(items * per_item);
     auto at = [&](int64_t item, int kv) { return item * per_item + (kv ? nk : 0); };
-    std::atomic<bool> finite_all{true};
+    std::atomic<bool> finite_all{true}, in_range{true};
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       Scratch<In> s(f);
-      for (int64_t i = begin; i < end && finite_all; ++i)
+      for (int64_t i = begin; i < end && finite_all && in_range; ++i)
         for (int kv = 0; kv < 2; ++kv) {
           const Slab<In> sl = slab(i, kv);
-          if (!slab_ranges<In>(sl, s)) finite_all = false;
-          else if (!f.channel(kv))
-            range_scales<In>(sl, s, &scale[at(i, kv)], &zero[at(i, kv)], &lof[at(i, kv)],
-                             &inv[at(i, kv)]);
+          if (!slab_ranges<In>(sl, s)) {
+            finite_all = false;
+            break;
+          }
+          const bool kept_here = !f.channel(kv);
+          uint16_t* sc = kept_here ? &scale[at(i, kv)] : s.scale.data();
+          uint16_t* ze = kept_here ? &zero[at(i, kv)] : s.zero.data();
+          range_scales<In>(sl, s, sc, ze, kept_here ? &lof[at(i, kv)] : s.lof.data(),
+                           kept_here ? &inv[at(i, kv)] : s.inv.data());
+          if (!halfs_finite(sc, sl.scales()) || (f.bits == 4 && !halfs_finite(ze, sl.scales())))
+            in_range = false;
         }
     });
-    ok = finite_all;
-    if (!ok) return;
+    refusal = !finite_all ? kNonFinite : !in_range ? kBeyondFp16 : kWritten;
+    if (refusal != kWritten) return;
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       Scratch<In> s(f);
       for (int64_t i = begin; i < end; ++i) {
@@ -606,7 +626,7 @@ bool encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& ids,
       }
     });
   });
-  return ok;
+  return refusal;
 }
 
 }  // namespace
@@ -615,5 +635,5 @@ TORCH_LIBRARY(radixkv_quant, m) {
   m.def("decode(Tensor plain, Tensor sink, Tensor ids, Tensor(a!) k, Tensor(b!) v, "
         "int[] format) -> ()", &decode);
   m.def("encode(Tensor k, Tensor v, Tensor ids, Tensor(a!) plain, Tensor(b!) sink, "
-        "int[] format) -> bool", &encode);
+        "int[] format) -> int", &encode);
 }

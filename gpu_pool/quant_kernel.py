@@ -8,6 +8,12 @@ The build is a torch C++ extension compiled for this CPU (`-march=native`) into
 $RADIXKV_CACHE_DIR (default ~/.cache/radixkv)/kernels/quant-<key>/, the key hashing the
 source, the flags, torch, Python and the CPU's features; a file lock keeps two processes from
 building at once (the second waits, then loads). Loading registers torch.ops.radixkv_quant.
+
+The key is no secret (anyone can compute it), so the cache is trusted only as far as this user
+controls it (gpu_pool/private_dir.py): its directories are created 0700, and one that another
+user owns or that group or others may write, a library or marker there of the same kind, or a
+lock file that is a symlink, is refused: the torch ops then run instead, with a warning saying
+why. So does a library there that lacks the kernel's ops.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpu_pool.layout import KVLayout
+from gpu_pool.private_dir import check_private, open_lock, private_dir
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +46,10 @@ NAME = "radixkv_quant"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-strict-aliasing",
           "-fopenmp"]
 DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}  # quant_kernel.cpp Dtype
+OPS = ("decode", "encode")  # what loading the library must register
+# encode's answers other than 0 (written): quant_kernel.cpp Refusal
+NON_FINITE = 1  # K/V holds NaN or Inf
+BEYOND_FP16 = 2  # a scale or minimum would overflow fp16
 
 _lock = threading.Lock()
 _loaded: list[Any] = []  # [torch.ops.radixkv_quant] once loaded, [None] when it cannot be
@@ -113,23 +124,43 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+def build_dir() -> Path:
+    """Where this source, these flags, torch, Python and CPU build the kernel (not created)."""
+    import torch
+
+    key = hashlib.sha256(b"\0".join([
+        SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+        sys.version.encode(), platform.machine().encode(),
+        _cpu_features().encode()])).hexdigest()[:16]
+    return Path(os.path.realpath(cache_dir())) / "kernels" / f"quant-{key}"
+
+
 def _build_and_load() -> Any:
     import torch
 
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([
-        source, " ".join(CFLAGS).encode(), torch.__version__.encode(), sys.version.encode(),
-        platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
-    build = cache_dir() / "kernels" / f"quant-{key}"
+    build = build_dir()
+    private_dir(build.parent.parent, "the cache directory")
+    private_dir(build.parent, "the kernel cache directory")
+    private_dir(build, "the kernel build directory")
     built = build / "built"  # written last: a build killed halfway is redone
-    build.mkdir(parents=True, exist_ok=True)
-    with open(build.parent / f"quant-{key}.lock", "w") as lock:
+    lock = open_lock(build.parent / f"{build.name}.lock")
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released if this process dies, unlike torch's baton
         if not built.exists():
             _build(build)
-            built.touch()
-    torch.ops.load_library(str(build / f"{NAME}.so"))  # type: ignore[no-untyped-call]
-    return torch.ops.radixkv_quant
+            built.touch(0o600)
+    finally:
+        os.close(lock)
+    library = build / f"{NAME}.so"
+    check_private(built, "the kernel build marker")
+    check_private(library, "the kernel library")
+    torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    ops = torch.ops.radixkv_quant
+    missing = [name for name in OPS if not hasattr(ops, name)]
+    if missing:
+        raise RuntimeError(f"{library} lacks the ops {', '.join(missing)} (a library of another "
+                           "source? remove its directory to rebuild)")
+    return ops
 
 
 def _build(build: Path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -67,7 +68,10 @@ class Client:
         self.timeout = timeout
         self._metadata = call_credentials(token or client_token())
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   # a connection of its own: the server's per-client limits count TCP
+                   # connections, and two Clients of one process are two clients
+                   ("grpc.use_local_subchannel_pool", 1)]
         ca = tls_ca or client_tls_ca()
         if ca:
             try:
@@ -259,11 +263,21 @@ class Client:
 
     # ---- inspection --------------------------------------------------------------------------
 
-    def stats(self, check_integrity: bool = False) -> dict[str, Any]:
+    def stats(self, check_integrity: bool = False, wait_s: float = 1.0) -> dict[str, Any]:
         """Counters as a dict (proto field names). With `check_integrity`, the service also
-        checks its invariants and reports "ok" or the failure under "integrity"."""
-        resp = self._call("Stats", pb.StatsRequest(check_integrity=check_integrity))
-        return message_dict(resp)
+        checks its invariants and reports "ok" or the failure under "integrity"; the service
+        rate-limits that check (LimitExceeded with the time to wait), and this call waits and
+        asks again while the wait fits in `wait_s` seconds (0: never)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                resp = self._call("Stats", pb.StatsRequest(check_integrity=check_integrity))
+                return message_dict(resp)
+            except errors.LimitExceeded as e:
+                wait = e.retry_after_s
+                if wait is None or time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait)
 
     def clear(self, namespace: str) -> int:
         """Drop a namespace's whole cache; returns the blocks freed. FailedPrecondition while

@@ -54,9 +54,14 @@ class AlreadyExists(RadixKVError):
 
 
 class LimitExceeded(RadixKVError):
-    """A per-service or per-client limit: namespaces, live leases of one client."""
+    """A per-service or per-client limit: namespaces, live leases of one client. A limit on a
+    rate says when to retry (`retry_after_s`, None otherwise)."""
 
     code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 ALL_ERRORS: tuple[type[RadixKVError], ...] = (

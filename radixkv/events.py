@@ -158,6 +158,8 @@ class EventLog:
             elif isinstance(ev, BlockRemoved):
                 self._buffer.append(KVEvent(sequence, namespace, when, "removed", ev.block_ids,
                                             block_hashes=tuple(map(known.pop, ev.block_ids))))
+                if not known:  # its last block went: so did the namespace (or it will)
+                    del self._hash_of[namespace]
             else:  # a window part came or went; the positions (full parts) stay
                 kind = "window_stored" if isinstance(ev, WindowStored) else "window_removed"
                 self._buffer.append(KVEvent(sequence, namespace, when, kind, ev.block_ids,
@@ -193,6 +195,13 @@ class EventLog:
             start = after + 1 - first
             stop = min(len(self._buffer), start + limit)
             return [self._buffer[i] for i in range(start, stop)], False
+
+    def namespaces(self) -> list[str]:
+        """The namespaces whose block hashes the log keeps (those with cached blocks)."""
+        with self._cond:
+            if self._queued:
+                self._hash_queued()
+            return sorted(self._hash_of)
 
     def wake_all(self) -> None:
         """Wake blocked readers (at shutdown)."""

@@ -81,7 +81,7 @@ class Namespace:
         m = self.tree.match(tokens)
         if m.num_tokens:
             self.tree.lock(m.handle)
-            lease.handles.append(m.handle)
+            self._pin(lease, m.handle)
         self.life.requests += 1
         self.life.query_tokens += num_tokens(tokens)
         self.life.hit_tokens += m.num_tokens
@@ -138,8 +138,33 @@ class Namespace:
         result = self._tree_insert(tokens, block_ids, hint, window_ids)
         deque(map(lease.owned.pop, result.adopted + result.duplicates), 0)
         if pin and (handle := self.tree.lock_inserted()) is not None:
-            lease.handles.append(handle)
+            self._pin(lease, handle)
         return result
+
+    def _pin(self, lease: Lease, handle: object) -> None:
+        """Keep a locked handle among the lease's pins, one per path: a path that a pin of the
+        lease already holds is unlocked again (a pin ending there moves last: the deepest the
+        lease pinned lately, for the release hint), and a pin that this path holds (one at
+        most: no pinned path holds another) is unlocked and replaced by it. So the lease's
+        pins are its distinct deepest paths, and repeated Inserts never grow them. O(depth),
+        and a scan of the lease's pins only for a path that others pin too, once per path."""
+        tree, pins = self.tree, lease.handles
+        path = tree.path_of(handle)
+        end = path[0]
+        held = pins.pop(end, None)
+        if held is None and end not in lease.covered and tree.lock_count(handle) > 1 and any(
+                tree.covers(h, handle) for h in pins.values()):
+            lease.covered.add(end)  # held by a deeper pin (pins only ever get deeper)
+        if held is not None or end in lease.covered:
+            tree.unlock(handle)
+            if held is not None:
+                pins[end] = held
+            return
+        for node in path[1:]:
+            if (shallower := pins.pop(node, None)) is not None:
+                tree.unlock(shallower)
+                break
+        pins[end] = handle
 
     def _tree_insert(self, tokens: bytes, block_ids: Sequence[int], hint: int,
                      window_ids: Sequence[int]) -> InsertResult:
@@ -147,7 +172,7 @@ class Namespace:
 
     def end_lease(self, lease: Lease, hint: int) -> None:
         """Drop a lease's pins; `hint` (if any) goes to the deepest path it pinned (the last)."""
-        handles = lease.handles
+        handles = list(lease.handles.values())
         if hint != NO_HINT and handles:
             self.tree.hint(handles[-1], hint)
         for handle in handles:

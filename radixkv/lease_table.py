@@ -1,8 +1,12 @@
 """The service's leases: who holds what, until when.
 
-A lease belongs to one client (`owner`) and one namespace; it holds tree pins (`handles`) and
-blocks allocated to it and not yet inserted (`owned`). The table opens, finds, renews and ends
-leases and counts them per owner; what ending a lease does to the trees and the pool is the
+A lease belongs to one client id (`owner`: the calls naming it must come with that id) and one
+namespace; it holds tree pins (`handles`) and blocks allocated to it and not yet inserted
+(`owned`). Its `client` is what the limits count it under: the connection it was opened on
+where the transport tells connections apart (TCP), else the client id (the server's choice:
+radixkv.server.servicer). The table opens, finds, renews and ends leases; it holds at most
+`max_leases` in all, `max_leases_per_client` per client, and one client's leases span at most
+`namespaces_per_client` namespaces. What ending a lease does to the trees and the pool is the
 service's (the `release` it is built with). A lease not used for its TTL expires: the sweeper
 ends it (`expire`), or the next call naming it does; the last EXPIRED_MEMORY expired ids are
 remembered, to tell "expired" from "unknown".
@@ -13,7 +17,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from radixkv.errors import (
@@ -38,12 +42,17 @@ class Lease:
     namespace: str
     expires_at: float
     ttl_s: float
-    handles: list[object] = field(default_factory=list)  # tree lock handles
+    client: str  # what the limits count it under, e.g. "client id 'x'", "connection ipv4:..."
+    # tree lock handles by the end node of their path, one per path (kinds.py), in the
+    # order they were pinned or last pinned again; paths known to be held by one of them
+    handles: dict[object, object] = field(default_factory=dict)
+    covered: set[object] = field(default_factory=set)
     owned: dict[int, None] = field(default_factory=dict)  # leased block ids, in order
 
 
 class LeaseTable:
-    """Live leases by id, counted per owner, and the claims of ids an Insert names.
+    """Live leases by id, counted per client (and per client and namespace), and the claims
+    of ids an Insert names.
     `release(lease, hint)` undoes what a lease holds (pins, blocks) and returns the blocks it
     freed; the table calls it when a lease ends."""
 
@@ -51,11 +60,14 @@ class LeaseTable:
                  is_free: Callable[[int], bool], release: Callable[[Lease, int], int]) -> None:
         self._clock = clock
         self._default_ttl_s = config.lease_ttl_s  # for the message of an expired lease
-        self._max_per_owner = config.max_leases_per_client
+        self._max = config.max_leases
+        self._max_per_client = config.max_leases_per_client
+        self._max_namespaces = config.max_namespaces
+        self._namespaces_per_client = config.namespaces_per_client
         self._is_free = is_free  # the pool's: is this block id free?
         self._release = release
         self._leases: dict[int, Lease] = {}
-        self._of_owner: dict[str, int] = {}
+        self._of_client: dict[str, Counter[str]] = {}  # client -> namespace -> live leases
         self._expired: OrderedDict[int, None] = OrderedDict()
         self.num_expired = 0  # leases that ran past their TTL, since start
         # Lease ids: a random start per service life, so ids from an earlier start are unknown.
@@ -67,18 +79,29 @@ class LeaseTable:
     def __iter__(self) -> Iterator[Lease]:
         return iter(self._leases.values())
 
-    def check_room(self, owner: str, new_leases: int) -> None:
-        """LimitExceeded unless `owner` may open `new_leases` more leases."""
-        held = self._of_owner.get(owner, 0)
-        if held + new_leases > self._max_per_owner:
-            raise LimitExceeded(f"client {owner!r} holds {held} live leases and asked for "
-                                f"{new_leases} more; limit {self._max_per_owner} "
+    def check_room(self, client: str, new_leases: int, namespaces: Collection[str]) -> None:
+        """LimitExceeded unless `client` may open `new_leases` more leases in `namespaces`."""
+        if len(self._leases) + new_leases > self._max:
+            raise LimitExceeded(f"{len(self._leases)} live leases and {new_leases} more asked "
+                                f"for; limit {self._max} live leases in all (release leases "
+                                "when done)")
+        spaces = self._of_client.get(client, Counter())
+        held = spaces.total()
+        if held + new_leases > self._max_per_client:
+            raise LimitExceeded(f"{client} holds {held} live leases and asked for "
+                                f"{new_leases} more; limit {self._max_per_client} "
                                 "per client (release leases when done)")
+        new = set(namespaces).difference(spaces)
+        if len(spaces) + len(new) > self._namespaces_per_client:
+            raise LimitExceeded(f"{client} holds leases in {len(spaces)} namespaces "
+                                f"and asked for {len(new)} more; limit "
+                                f"{self._namespaces_per_client} namespaces per client (of "
+                                f"{self._max_namespaces})")
 
-    def open(self, owner: str, namespace: str, ttl_s: float) -> Lease:
-        lease = Lease(next(self._ids), owner, namespace, self._clock() + ttl_s, ttl_s)
+    def open(self, owner: str, client: str, namespace: str, ttl_s: float) -> Lease:
+        lease = Lease(next(self._ids), owner, namespace, self._clock() + ttl_s, ttl_s, client)
         self._leases[lease.lease_id] = lease
-        self._of_owner[owner] = self._of_owner.get(owner, 0) + 1
+        self._of_client.setdefault(client, Counter())[namespace] += 1
         return lease
 
     def get(self, owner: str, lease_id: int) -> Lease:
@@ -136,11 +159,12 @@ class LeaseTable:
         """End a lease: its pins and blocks go (the table's `release`); returns blocks freed."""
         freed = self._release(lease, hint)
         del self._leases[lease.lease_id]
-        left = self._of_owner[lease.owner] - 1
-        if left:
-            self._of_owner[lease.owner] = left
-        else:
-            del self._of_owner[lease.owner]
+        spaces = self._of_client[lease.client]
+        spaces[lease.namespace] -= 1
+        if not spaces[lease.namespace]:
+            del spaces[lease.namespace]
+            if not spaces:
+                del self._of_client[lease.client]
         if expired:
             self.num_expired += 1
             self._expired[lease.lease_id] = None
@@ -163,8 +187,9 @@ class LeaseTable:
         if owners and max(owners.values()) > 1:
             b = owners.most_common(1)[0][0]
             raise IntegrityError(f"block {b} is leased to {owners[b]} leases")
-        by_owner = Counter(lease.owner for lease in self._leases.values())
-        if by_owner != Counter(self._of_owner):
+        by_client = Counter((lease.client, lease.namespace) for lease in self._leases.values())
+        if by_client != Counter({(c, ns): n for c, spaces in self._of_client.items()
+                                 for ns, n in spaces.items()}):
             raise IntegrityError("per-client or per-namespace lease counts are off")
         # each leased block counted once (checked just above)
         return owners.total(), Counter(lease.namespace for lease in self._leases.values())

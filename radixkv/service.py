@@ -102,14 +102,17 @@ class KVService:
     # ---- the request path --------------------------------------------------------------------
 
     def match(self, owner: str, namespace: str, tokens: bytes,
-              ttl_s: float | None = None) -> LeaseMatch:
+              ttl_s: float | None = None, client: str | None = None) -> LeaseMatch:
         """Longest cached prefix of `tokens` in `namespace`; opens a lease that pins it."""
-        return self.match_many(owner, [(namespace, tokens)], ttl_s)[0]
+        return self.match_many(owner, [(namespace, tokens)], ttl_s, client=client)[0]
 
     def match_many(self, owner: str, queries: Sequence[tuple[str, bytes]],
                    ttl_s: float | None = None,
-                   store_tokens: Sequence[int] | None = None) -> list[LeaseMatch]:
-        """Batched match, one lease per query (`ttl_s`: their TTL, None for the default). Every
+                   store_tokens: Sequence[int] | None = None,
+                   client: str | None = None) -> list[LeaseMatch]:
+        """Batched match, one lease per query (`ttl_s`: their TTL, None for the default).
+        `client`: what the lease limits count the new leases under (None: the client id
+        `owner`; the server passes the connection where it can tell them apart). Every
         query and limit is checked before the first lease opens: a failed batch changes
         nothing. With `store_tokens` (one count per query), each query's lease also gets blocks
         for the uncached full blocks among its first store_tokens[i] tokens, allocated once
@@ -122,13 +125,14 @@ class KVService:
         out = []
         found: list[MatchResult] = []  # the trees' matches, for the stores
         epoch = self.pool.epoch
+        key = _client_key(owner, client)
         with self._lock:
-            self._leases.check_room(owner, len(queries))
-            self._namespaces.check_room(len({name for name, _ in queries
-                                              if name not in self._namespaces}))
+            names = {name for name, _ in queries}
+            self._namespaces.check_room(len([n for n in names if n not in self._namespaces]))
+            self._leases.check_room(key, len(queries), names)
             for namespace, tokens in queries:
                 ns = self._namespaces.open(namespace)
-                lease = self._leases.open(owner, ns.name, ttl)
+                lease = self._leases.open(owner, key, ns.name, ttl)
                 ns.num_leases += 1
                 m = ns.match(lease, tokens)
                 self._recent.append((num_tokens(tokens), m.num_tokens))
@@ -142,13 +146,15 @@ class KVService:
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
         ttl_s: float | None = None, starts_sequence: bool = False, num_window_blocks: int = 0,
+        client: str | None = None,
     ) -> Allocation:
         """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None,
         with TTL `ttl_s`), evicting unpinned LRU leaves when the free list is short. When it
         raises (OutOfBlocks, ...), no lease was opened and nothing was evicted (except while
         looking for a free sink block). `starts_sequence`: the first block will hold position
         0, so it comes from the sink region where the pool has one. `num_window_blocks`:
-        window parts too (windowed pools; then num_blocks may be 0)."""
+        window parts too (windowed pools; then num_blocks may be 0). `client`: as for
+        match_many."""
         windows, sinks = num_window_blocks, int(starts_sequence)
         self._checks.allocate(num_blocks, windows)
         ttl = self._checks.ttl(ttl_s)
@@ -161,8 +167,9 @@ class KVService:
                 self._leases.touch(lease)
             else:
                 check_namespace(namespace)
-                self._leases.check_room(owner, 1)
+                key = _client_key(owner, client)
                 self._namespaces.check_room(namespace not in self._namespaces)
+                self._leases.check_room(key, 1, (namespace,))
                 ns = self._namespaces.open(namespace)
                 try:
                     num_evicted = self._reclaim.make_room(num_blocks, keep=ns, sinks=sinks,
@@ -170,7 +177,7 @@ class KVService:
                 except OutOfBlocks:
                     self._namespaces.drop_if_empty(ns)
                     raise
-                lease = self._leases.open(owner, ns.name, ttl)
+                lease = self._leases.open(owner, key, ns.name, ttl)
                 ns.num_leases += 1
             ids, wids = self._reclaim.take(lease, num_blocks, sinks, windows)
             return Allocation(lease.lease_id, ids, num_evicted, self.pool.epoch, wids)
@@ -369,3 +376,8 @@ class KVService:
             self.pool.free(list(result.duplicates))
         self.events.publish(ns.name, ns.tree.take_events())
         return result
+
+
+def _client_key(owner: str, client: str | None) -> str:
+    """What the lease limits count a client's leases under."""
+    return client if client is not None else f"client id {owner!r}"

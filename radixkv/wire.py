@@ -21,12 +21,13 @@ from google.protobuf.message import Message
 
 from gpu_pool import PoolHandle
 from gpu_pool.layout import KVLayout
-from radixkv.errors import ALL_ERRORS, InvalidArgument, RadixKVError
+from radixkv.errors import ALL_ERRORS, InvalidArgument, LimitExceeded, RadixKVError
 from radixkv.tokens import ids_from_bytes
 from radixkv.types import LeaseMatch, NodeView, PoolInfo, WindowLeaseMatch
 from radixkv.v1 import radixkv_pb2 as pb
 
 ERROR_KEY = "radixkv-error"  # trailing metadata: the class name of the error
+RETRY_KEY = "radixkv-retry-after"  # trailing metadata: seconds to wait before a retry
 AUTH_HEADER = "authorization"  # metadata: "Bearer TOKEN"
 STORE_ALL = 2**32 - 1  # store_tokens meaning "every full block of the prompt"
 
@@ -63,7 +64,16 @@ def to_error(e: grpc.RpcError) -> RadixKVError:
         err = RadixKVError(f"{code}: {message}")
         err.code = code
         return err
+    if cls is LimitExceeded and RETRY_KEY in trailing:
+        return LimitExceeded(message, float(trailing[RETRY_KEY]))
     return cls(message)
+
+
+def trailing_metadata(e: RadixKVError) -> tuple[tuple[str, str], ...]:
+    """What the server sends with error `e`: its class name, and when to retry (if known)."""
+    retry = getattr(e, "retry_after_s", None)
+    return ((ERROR_KEY, type(e).__name__),) + (() if retry is None else
+                                               ((RETRY_KEY, f"{retry:.6f}"),))
 
 
 def call_credentials(token: str | None) -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +48,7 @@ from hypothesis import strategies as st
 from radixkv.errors import ALL_ERRORS
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
+from radixkv.wire import RETRY_KEY
 
 VOCAB = 100_000
 DOCUMENTED = {cls.code for cls in ALL_ERRORS} | {"RESOURCE_EXHAUSTED"}
@@ -149,7 +151,7 @@ def cleanup(stub: Any, known: Known) -> None:
 
 def check_server(server: Any, stub: Any) -> Any:
     assert server.alive(), server.output()
-    stats = stub.Stats(pb.StatsRequest(check_integrity=True), timeout=10)
+    stats = stats_of(stub)
     assert stats.integrity == "ok", stats.integrity
     assert stats.window_blocks in (0, NUM_WINDOWS)
     assert (stats.free_blocks + stats.leased_blocks + stats.cached_blocks + stats.free_window_blocks
@@ -259,7 +261,16 @@ def test_failed_calls_change_nothing(fuzzed, data):
 
 
 def stats_of(stub: Any) -> Any:
-    return stub.Stats(pb.StatsRequest(check_integrity=True), timeout=10)
+    """Stats with the integrity check, asked again after the wait the rate limit names."""
+    for _ in range(100):
+        try:
+            return stub.Stats(pb.StatsRequest(check_integrity=True), timeout=10)
+        except grpc.RpcError as e:
+            retry = dict(e.trailing_metadata() or ()).get(RETRY_KEY)
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or retry is None:
+                raise
+            time.sleep(float(retry))
+    raise AssertionError("the integrity check was refused 100 times")
 
 
 def code_of(fn: Any, request: Any) -> str:

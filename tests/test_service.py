@@ -94,7 +94,7 @@ def test_insert_batch_is_all_or_nothing(svc):
 
 
 def test_empty_namespaces_are_reclaimed(clock):
-    svc = make_service(clock, max_namespaces=4)
+    svc = make_service(clock, max_namespaces=4, max_namespaces_per_client=4)
     for i in range(50):  # far more distinct names than the limit: each one goes when idle
         m = svc.match("e", f"ns{i}", toks(1, 2, 3, 4))
         svc.release("e", [m.lease_id])

@@ -90,6 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config.service, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
         policy=args.policy, event_buffer=args.event_buffer,
         max_leases_per_client=args.max_leases_per_client, max_lease_ttl_s=args.max_lease_ttl,
+        max_leases=args.max_leases, max_namespaces=args.max_namespaces,
+        max_namespaces_per_client=args.max_namespaces_per_client,
         **ttl))
     if args.exit_with_parent:
         exit_with_parent()
@@ -211,8 +213,17 @@ def _add_serve(sub: Any) -> None:
                    "(default $RADIXKV_LEASE_TTL, else 30)")
     g.add_argument("--max-lease-ttl", type=positive_float, default=3600.0, metavar="SECONDS",
                    help="the longest lease TTL a client may ask for (3600)")
+    g.add_argument("--max-leases", type=positive_int, default=65536, metavar="N",
+                   help="live leases in all, whatever the clients (65536): bounds the "
+                   "lease table that the sweeper and Stats walk")
     g.add_argument("--max-leases-per-client", type=positive_int, default=4096, metavar="N",
-                   help="live leases one client id may hold (4096)")
+                   help="live leases one client may hold (4096); a client is its connection on "
+                   "TCP, its client id on the Unix socket (which admits only this user)")
+    g.add_argument("--max-namespaces", type=positive_int, default=1024, metavar="N",
+                   help="namespaces that hold blocks or leases at once (1024)")
+    g.add_argument("--max-namespaces-per-client", type=positive_int, default=None,
+                   metavar="N", help="namespaces one client's live leases may span, so that "
+                   "no client holds every namespace (default: a quarter of --max-namespaces)")
     add_policy_flag(g)
     g.add_argument("--max-tokens", type=positive_int, default=1 << 20,
                    help="longest token list accepted")

@@ -20,7 +20,10 @@ The fingerprint names the source (package version, file name and size), so a new
 converts again. An entry whose manifest is missing, unreadable or disagrees with its files (a
 truncated or altered file, a missing one) is removed and rebuilt. Conversion writes a temporary
 folder and renames it into place while holding a lock file, so concurrent loaders (two engine
-processes) convert once and never read half an entry.
+processes) convert once and never read half an entry. The cache is trusted only as far as this
+user controls it (gpu_pool/private_dir.py): its directories are created 0700, and a directory,
+entry or file that another user owns or that group or others may write is refused
+(PermissionDenied), as is a lock file that is a symlink.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_pool.private_dir import check_private, open_lock, private_dir
 from radixkv.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("radixkv.engines.models")
@@ -218,13 +222,22 @@ def entry_problem(entry: Path, expected_fingerprint: str) -> str | None:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    fd = open_lock(path)  # never through a symlink, never truncated
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (and the lock with it)
+
+
+def _check_entry(entry: Path) -> None:
+    """PermissionDenied unless the entry, if there, and each of its files are this user's and
+    not writable by group or others (its weights and tokenizer files are loaded as found)."""
+    if not os.path.lexists(entry):
+        return
+    check_private(entry, "the cached model")
+    for path in entry.iterdir():
+        check_private(path, "the cached model file")
 
 
 def ensure_converted(spec: ModelSpec, cache_dir: str | Path | None = None,
@@ -236,11 +249,15 @@ def ensure_converted(spec: ModelSpec, cache_dir: str | Path | None = None,
     `notify(message)` hears about a conversion before it starts."""
     source = gguf_path(spec)
     fp = fingerprint(spec, source)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(os.path.realpath(cache_dir if cache_dir is not None else default_cache_dir()))
+    private_dir(root, "the cache directory")  # 0700 when new; refused if others may write
+    private_dir(root / "models", "the model cache directory")
     entry = root / "models" / f"{spec.name}-{fp}"
+    _check_entry(entry)
     if entry_problem(entry, fp) is None:  # the common case: no lock needed to read
         return entry, False
     with _locked(root / "models" / f".{spec.name}-{fp}.lock"):
+        _check_entry(entry)
         problem = entry_problem(entry, fp)
         if problem is None:  # another process converted while we waited
             return entry, False

@@ -268,6 +268,29 @@ class RadixTree:
         self.lock(handle, hit=False)
         return handle
 
+    def covers(self, handle: object, other: object) -> bool:
+        """Whether `handle`'s path holds all of `other`'s: other's end node is on it (locked
+        handles of this tree)."""
+        node, end = self._check_handle(handle).node, self._check_handle(other).node
+        while node is not end and node is not self._root:
+            node = node.parent
+        return node is end
+
+    def path_of(self, handle: object) -> list[object]:
+        """The nodes of a locked handle's path, its end first, as opaque keys (a node keeps
+        its identity for as long as it is cached; splits put new nodes above it)."""
+        node = self._check_handle(handle).node
+        path: list[object] = []
+        while node is not self._root:
+            path.append(node)
+            node = node.parent
+        return path
+
+    def lock_count(self, handle: object) -> int:
+        """How many locks hold the end of a handle's path (0 for an empty match)."""
+        node = self._check_handle(handle).node
+        return 0 if node is self._root else node.lock_count
+
     def hint(self, handle: object, hint: str | int | None) -> None:
         """Give the end of a match handle's path a retention hint, which the `adaptive` policy
         uses (others ignore it) until that node's next hit: `session_end` (the prompt's unique

@@ -30,7 +30,7 @@ from radixkv.service import DUMP_PAGE, KVService
 from radixkv.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
-from radixkv.wire import ERROR_KEY, STATUS, layout_pb, pool_info_pb, tree_node_pb
+from radixkv.wire import STATUS, layout_pb, pool_info_pb, trailing_metadata, tree_node_pb
 
 log = logging.getLogger("radixkv.server.app")
 
@@ -52,7 +52,7 @@ def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn
     """Abort through the one table: a project error keeps its status and class name; anything
     else is a bug and becomes INTERNAL. Raises (grpc's abort always does)."""
     if isinstance(e, RadixKVError):
-        context.set_trailing_metadata(((ERROR_KEY, type(e).__name__),))
+        context.set_trailing_metadata(trailing_metadata(e))
         context.abort(STATUS.get(type(e), grpc.StatusCode.INTERNAL), str(e))
     else:
         log.error("internal error in %s", method, exc_info=e)
@@ -116,6 +116,17 @@ def _owner(client_id: str) -> str:
     return client_id
 
 
+def _client(context: Any, client_id: str) -> str:
+    """What the lease limits count a call's new leases under: its connection where the
+    transport tells connections apart (TCP: the peer's address and port, which the client
+    cannot choose per call), else its client id (on the Unix socket every peer is "unix:"; its
+    0600 mode admits the server's own user only)."""
+    peer = context.peer() if context is not None else ""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return f"connection {peer}"
+    return f"client id {client_id!r}"
+
+
 def _batch(what: str, items: Any) -> Any:
     if not items:
         raise InvalidArgument(f"{what} needs at least one")
@@ -132,7 +143,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         self.observer = observer
         self._closing = threading.Event()
         self._integrity_lock = threading.Lock()
-        self._integrity_next = 0.0  # monotonic time before which Stats skips the check
+        self._integrity_next = 0.0  # monotonic time before which Stats refuses the check
+        self._integrity_spent = 0.0  # seconds the last check took
 
     def close(self) -> None:
         """End open Events streams (at shutdown), so they do not hold up the grace period."""
@@ -151,7 +163,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         store = [q.store_tokens for q in queries]
         outcomes = self.service.match_many(
             _owner(request.client_id), [(q.namespace, q.tokens) for q in queries],
-            request.lease_ttl_s or None, store if any(store) else None)
+            request.lease_ttl_s or None, store if any(store) else None,
+            client=_client(context, request.client_id))
         response = pb.MatchResponse(epoch=self.service.epoch)
         add = response.results.add  # ~1.5 us less per result than building a list (upb)
         add_result = self.service.kind.add_result  # the namespace kind writes its own answers
@@ -164,7 +177,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         o = self.service.allocate(_owner(request.client_id), request.lease_id or None,
                                   request.namespace, request.num_blocks,
                                   request.lease_ttl_s or None, request.starts_sequence,
-                                  request.num_window_blocks)
+                                  request.num_window_blocks,
+                                  client=_client(context, request.client_id))
         return pb.AllocateResponse(epoch=self.service.epoch, lease_id=o.lease_id,
                                    block_ids=ids_to_bytes(o.block_ids),
                                    num_evicted=o.num_evicted,
@@ -220,25 +234,27 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
 
     def _integrity(self) -> str:
         """"ok" or "FAILED: <the invariant>". The check is O(pool), so it may use at most
-        INTEGRITY_SHARE of the time: one asked for sooner waits (up to 50 ms) or gets
-        LimitExceeded with the wait."""
-        with self._integrity_lock:
+        INTEGRITY_SHARE of the time: one asked for sooner, or while another runs, gets
+        LimitExceeded with the time to wait at once (a call thread never sleeps here)."""
+        if not self._integrity_lock.acquire(blocking=False):
+            wait = self._integrity_spent / INTEGRITY_SHARE
+            raise LimitExceeded(f"an integrity check is running; retry in {wait:.3f} s", wait)
+        try:
             now = time.monotonic()
-            if 0 < self._integrity_next - now <= 0.05:
-                time.sleep(self._integrity_next - now)
-                now = time.monotonic()
             if now < self._integrity_next:
+                wait = self._integrity_next - now
                 raise LimitExceeded(f"integrity checks are limited to {INTEGRITY_SHARE:.0%} of "
-                                    f"the server's time; retry in "
-                                    f"{self._integrity_next - now:.3f} s")
+                                    f"the server's time; retry in {wait:.3f} s", wait)
             try:
                 self.service.check_integrity()
                 result = "ok"
             except IntegrityError as e:
                 result = f"FAILED: {e}"
-            spent = time.monotonic() - now
-            self._integrity_next = now + spent / INTEGRITY_SHARE
+            self._integrity_spent = time.monotonic() - now
+            self._integrity_next = now + self._integrity_spent / INTEGRITY_SHARE
             return result
+        finally:
+            self._integrity_lock.release()
 
     @rpc
     def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
