@@ -56,7 +56,6 @@ from radixkv.lease_table import Lease, LeaseTable
 from radixkv.namespaces import Namespaces
 from radixkv.reclaim import Reclaimer
 from radixkv.service_config import ServiceConfig
-from radixkv.tokens import num_tokens
 from radixkv.types import Allocation, LeaseMatch, ServiceStats
 from radixkv.validation import InputChecks, check_namespace, hint_codes
 
@@ -98,22 +97,28 @@ class KVService:
     # ---- the request path --------------------------------------------------------------------
 
     def match(self, owner: str, namespace: str, tokens: bytes,
-              ttl_s: float | None = None) -> LeaseMatch:
-        """Longest cached prefix of `tokens` in `namespace`; opens a lease that pins it."""
-        return self.match_many(owner, [(namespace, tokens)], ttl_s)[0]
+              ttl_s: float | None = None, key_size: int = 0) -> LeaseMatch:
+        """Longest cached prefix of `tokens` (block keys of `key_size` bytes each, where not 0)
+        in `namespace`; opens a lease that pins it."""
+        return self.match_many(owner, [(namespace, tokens)], ttl_s,
+                               key_sizes=[key_size] if key_size else None)[0]
 
     def match_many(self, owner: str, queries: Sequence[tuple[str, bytes]],
                    ttl_s: float | None = None,
-                   store_tokens: Sequence[int] | None = None) -> list[LeaseMatch]:
+                   store_tokens: Sequence[int] | None = None,
+                   key_sizes: Sequence[int] | None = None) -> list[LeaseMatch]:
         """Batched match, one lease per query (`ttl_s`: their TTL, None for the default). Every
         query and limit is checked before the first lease opens: a failed batch changes
         nothing. With `store_tokens` (one count per query), each query's lease also gets blocks
         for the uncached full blocks among its first store_tokens[i] tokens, allocated once
         every query is matched and pinned; a query that finds no room says so in its
-        `alloc_error` and keeps its match (the batch does not fail)."""
-        for namespace, tokens in queries:
+        `alloc_error` and keeps its match (the batch does not fail). `key_sizes`: None or one
+        per query, the bytes of each block key where that query gives keys (radixkv.keyed),
+        0 where it gives tokens."""
+        sizes = self._key_sizes(key_sizes, len(queries))
+        for (namespace, tokens), key_size in zip(queries, sizes, strict=True):
             check_namespace(namespace)
-            self._checks.tokens(tokens)
+            self._checks.data(tokens, key_size)
         ttl = self._checks.ttl(ttl_s)
         out = []
         found: list[MatchResult] = []  # the trees' matches, for the stores
@@ -122,13 +127,16 @@ class KVService:
             self._leases.check_room(owner, len(queries))
             self._namespaces.check_room(len({name for name, _ in queries
                                               if name not in self._namespaces}))
-            for namespace, tokens in queries:
-                ns = self._namespaces.open(namespace)
+            self._namespaces.check_kinds(
+                (name, size) for (name, _), size in zip(queries, sizes, strict=True))
+            for (namespace, tokens), key_size in zip(queries, sizes, strict=True):
+                ns = self._namespaces.open(namespace, key_size)
                 lease = self._leases.open(owner, ns.name, ttl)
                 ns.num_leases += 1
                 m = ns.match(lease, tokens)
-                self._recent.append((num_tokens(tokens), m.num_tokens))
-                out.append(ns.answer(lease.lease_id, m, epoch))
+                answer = ns.answer(lease.lease_id, m, epoch)
+                self._recent.append((ns.span(tokens), answer.num_tokens))
+                out.append(answer)
                 found.append(m)
             if store_tokens is not None:
                 out = [self._reclaim.store(o, queries[i][1], store_tokens[i], found[i])
@@ -138,13 +146,15 @@ class KVService:
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
         ttl_s: float | None = None, starts_sequence: bool = False, num_window_blocks: int = 0,
+        key_size: int = 0,
     ) -> Allocation:
         """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None,
         with TTL `ttl_s`), evicting unpinned LRU leaves when the free list is short. When it
         raises (OutOfBlocks, ...), no lease was opened and nothing was evicted (except while
         looking for a free sink block). `starts_sequence`: the first block will hold position
         0, so it comes from the sink region where the pool has one. `num_window_blocks`:
-        window parts too (windowed pools; then num_blocks may be 0)."""
+        window parts too (windowed pools; then num_blocks may be 0). `key_size`: a new lease's
+        namespace is key-keyed with keys of this size (radixkv.keyed)."""
         windows, sinks = num_window_blocks, int(starts_sequence)
         self._checks.allocate(num_blocks, windows)
         ttl = self._checks.ttl(ttl_s)
@@ -157,9 +167,12 @@ class KVService:
                 self._leases.touch(lease)
             else:
                 check_namespace(namespace)
+                if key_size:
+                    self._checks.keys(b"\0" * key_size, key_size)
                 self._leases.check_room(owner, 1)
                 self._namespaces.check_room(namespace not in self._namespaces)
-                ns = self._namespaces.open(namespace)
+                self._namespaces.check_kinds([(namespace, key_size)])
+                ns = self._namespaces.open(namespace, key_size)
                 try:
                     num_evicted = self._reclaim.make_room(num_blocks, keep=ns, sinks=sinks,
                                                           windows=windows)
@@ -173,36 +186,43 @@ class KVService:
 
     def insert(
         self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int],
-        hint: str | int | None = None, window_ids: Sequence[int] = (),
+        hint: str | int | None = None, window_ids: Sequence[int] = (), key_size: int = 0,
     ) -> InsertResult:
         """Commit `block_ids` (one per full block of `tokens`) into the namespace's tree. Each
         id must be leased to `lease_id` or be the id the tree already holds at that position.
         Prefixes already cached are not adopted: those leased blocks return to the free list.
         `hint`: a retention hint for the node where `tokens` end (RadixTree.hint).
         `window_ids` (windowed pools): the window parts of the last len(window_ids) blocks,
-        each leased to the lease or the one cached there."""
+        each leased to the lease or the one cached there. `key_size`: `tokens` are block keys
+        of this size, one per block id (a key-keyed namespace)."""
         return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)],
-                                hints=[hint], window_ids=[window_ids])[0][0]
+                                hints=[hint], window_ids=[window_ids],
+                                key_sizes=[key_size] if key_size else None)[0][0]
 
     def insert_many(
         self, owner: str, items: Sequence[tuple[int, str, bytes, Sequence[int]]],
         release: Collection[int] = (), hints: Sequence[str | int | None] | None = None,
         window_ids: Sequence[Sequence[int]] | None = None,
+        key_sizes: Sequence[int] | None = None,
     ) -> tuple[list[InsertResult], dict[int, int]]:
         """`insert` for each (lease_id, namespace, tokens, block_ids), all or nothing: every
         item is checked against the state before the first one is applied, and a block id may
         be claimed by one item only. Then the leases in `release` (ids of these items) end as
         `release` ends them. `hints`: None or one retention hint per item; `window_ids`: None
-        or each item's window parts (`insert`). Returns the results and {released lease id:
-        blocks freed}."""
+        or each item's window parts (`insert`); `key_sizes`: None or each item's key size (0:
+        tokens). Returns the results and {released lease id: blocks freed}."""
         codes = hint_codes(hints, len(items))
         wins: Sequence[Sequence[int]] = window_ids or [()] * len(items)
         if len(wins) != len(items):
             raise InvalidArgument(f"{len(wins)} window-part lists for {len(items)} items")
-        for (_, namespace, tokens, block_ids), w in zip(items, wins, strict=True):
-            self._checks.insert(namespace, tokens, block_ids, w)
+        sizes = self._key_sizes(key_sizes, len(items))
+        for (_, namespace, tokens, block_ids), w, key_size in zip(items, wins, sizes,
+                                                                 strict=True):
+            self._checks.insert(namespace, tokens, block_ids, w, key_size)
         with self._lock:
             leases = [self._leases.get(owner, lease_id) for lease_id, *_ in items]
+            self._namespaces.check_kinds(
+                (lease.namespace, size) for lease, size in zip(leases, sizes, strict=True))
             claimed: set[int] = set()
             for lease, (_, namespace, tokens, block_ids), w in zip(leases, items, wins,
                                                                   strict=True):
@@ -299,6 +319,12 @@ class KVService:
                                f"{', '.join(self._namespaces.names()) or 'none'})")
             return self._namespaces[namespace].nodes(max_depth), self.events.last_sequence
 
+    def key_size(self, namespace: str) -> int:
+        """The key size of a key-keyed namespace; 0 for a token-keyed or unknown one."""
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            return ns.key_size if ns is not None else 0
+
     def namespaces(self) -> list[str]:
         with self._lock:
             return self._namespaces.names()
@@ -344,5 +370,13 @@ class KVService:
         result = ns.insert(lease, tokens, block_ids, hint, window_ids, pin)
         if result.duplicates:
             self.pool.free(list(result.duplicates))
-        self.events.publish(ns.name, ns.tree.take_events())
+        self.events.publish(ns.name, ns.tree.take_events(), ns.key_size)
         return result
+
+    @staticmethod
+    def _key_sizes(key_sizes: Sequence[int] | None, count: int) -> Sequence[int]:
+        if key_sizes is None:
+            return [0] * count
+        if len(key_sizes) != count:
+            raise InvalidArgument(f"{len(key_sizes)} key sizes for {count} items")
+        return key_sizes

@@ -70,6 +70,7 @@ class NodeView:
     hits: int
     last_access: float  # time.time() of the last touch
     window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)
+    keys: bytes = b""  # key-keyed namespaces (tokens empty): this edge's block keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,7 @@ class NamespaceStats:
     query_tokens: int
     hit_tokens: int
     evicted_blocks: int
+    key_size: int = 0  # key-keyed namespaces: bytes per block key (0: token-keyed)
 
 
 @dataclass(frozen=True, slots=True)
