@@ -66,7 +66,8 @@ def test_match_insert_leading_run_events_and_tree() -> None:
         nodes, _ = kv.dump_tree("m")
         edges = [[n.keys[i:i + 32] for i in range(0, len(n.keys), 32)] for n in nodes]
         assert sorted(k for e in edges for k in e) == sorted([*a, b[2]])
-        assert all(not n.tokens and len(e) == len(n.block_ids) for n, e in zip(nodes, edges, strict=True))
+        for n, e in zip(nodes, edges, strict=True):
+            assert not n.tokens and len(e) == len(n.block_ids)
         (root,) = tree_view(kv, "m")["children"]
         assert root["first_keys"][0] == a[0].hex() and root["blocks"] == len(root["first_keys"])
 
