@@ -158,6 +158,11 @@ class Client:
             self._mapping = attach(self._info.handle)
         return self._mapping
 
+    @property
+    def mapped(self) -> bool:
+        """Whether this client has the pool mapped now."""
+        return self._mapping is not None
+
     def pool_of(self, epoch: str) -> PoolMapping:
         """The pool mapping of `epoch`; StalePool if the service has restarted since (its
         block ids and KV are gone)."""

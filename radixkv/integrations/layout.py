@@ -291,3 +291,53 @@ def check_layers(layers: Sequence[torch.Tensor], pages: Any, num_kv_heads: int,
             want = f"[pages, {num_kv_heads}, {block_size}, {2 * head_dim}]"
         if not ok:
             raise LayoutError(f"engine KV tensor {describe(kv)} is not {want}")
+
+
+# ---- SGLang's HiCache host pool ---------------------------------------------------------------
+
+TORCH_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class HostPages:
+    """SGLang's HiCache host KV pool (MHATokenToKVPoolHost.kv_buffer), whose pages are given by
+    their first token slot (`slots`, one per page):
+
+    - page_first: [2, slots, layers, kv_heads, head_dim]; a page is slots s..s+page_size-1;
+    - page_first_direct: [2, pages, layers, page_size, kv_heads, head_dim]; slot s is in page
+      s // page_size.
+
+    Copies gather or scatter whole pages in one indexed assignment each."""
+
+    layout: str  # "page_first" | "page_first_direct"
+    page_size: int
+
+    LAYOUTS = ("page_first", "page_first_direct")
+
+    def __post_init__(self) -> None:
+        if self.layout not in self.LAYOUTS:
+            raise LayoutError(f"SGLang host pool layout {self.layout!r} is not supported "
+                              f"(use --hicache-mem-layout {' or '.join(self.LAYOUTS)})")
+
+    def _index(self, slots: torch.Tensor) -> torch.Tensor:
+        if self.layout == "page_first":
+            return slots[:, None] + torch.arange(self.page_size, device=slots.device)
+        return slots // self.page_size
+
+    def to_pool(self, kv: torch.Tensor, slots: torch.Tensor, pool_view: torch.Tensor,
+                blocks: Sequence[int]) -> None:
+        """Copy the host pages at `slots` into pool blocks `blocks` (same order)."""
+        if not len(blocks):
+            return
+        pages = kv[:, self._index(slots)]
+        order = (1, 3, 0, 2, 4, 5) if self.layout == "page_first" else (1, 2, 0, 3, 4, 5)
+        pool_view[_ids(blocks, pool_view.device)] = pages.permute(order).to(pool_view.device)
+
+    def from_pool(self, kv: torch.Tensor, slots: torch.Tensor, pool_view: torch.Tensor,
+                  blocks: Sequence[int]) -> None:
+        """Copy pool blocks `blocks` into the host pages at `slots` (same order)."""
+        if not len(blocks):
+            return
+        data = pool_view[_ids(blocks, pool_view.device)]
+        order = (2, 0, 3, 1, 4, 5) if self.layout == "page_first" else (2, 0, 1, 3, 4, 5)
+        kv[:, self._index(slots)] = data.permute(order).to(kv.device)

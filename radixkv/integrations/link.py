@@ -45,6 +45,7 @@ class Link:
         self.what = what
         self._check = check
         self._client: Client | None = None
+        self._retired: list[Client] = []  # clients dropped after a failure (closed at close())
         self._checked_epoch: str | None = None
         self._retry_at = 0.0
         self._down_since: float | None = None
@@ -120,15 +121,25 @@ class Link:
             if first:
                 self._down_since = time.monotonic()
             self._checked_epoch = None  # a restarted service may have another pool
+            if self._client is not None:
+                # the next attempt gets a fresh channel (this one may sit in gRPC's reconnect
+                # backoff for seconds after radixkv is back); not closed now: another thread
+                # may still read the old pool mapping, which stays mapped until close()
+                if self._client.mapped:
+                    self._retired.append(self._client)
+                else:
+                    self._client.close()
+                self._client = None
         if first:
             self.log.warning("radixkv at %s is unavailable (%s: %s): serving without it (cache "
                         "misses) and retrying every %g s", self.target or "default socket",
                         type(e).__name__, e, self.retry_s)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        for client in (*self._retired, self._client):
+            if client is not None:
+                client.close()
+        self._client, self._retired = None, []
 
     @property
     def client(self) -> Any:
