@@ -17,8 +17,9 @@ call's keys stand alone (a path from the root).
 - `batch_exists`: the leading run of keys cached (Match; the lease is released at once).
 - `batch_get_v1`: Match pins the cached run; its blocks are copied from radixkv's mapped pool
   into SGLang's host pool slots, then the lease is released. A key past a gap is never loaded.
-- `batch_set_v1`: Match, Allocate for the uncached pages, copy the host pages into them, Insert
-  (which ends the lease). Pages already cached are not copied again.
+- `batch_set_v1`: Match, which also allocates blocks for the uncached pages, copy the host pages
+  into them, Insert (which ends the lease): two calls. Pages already cached are not copied
+  again; no room (every block pinned) fails the uncached pages only.
 
 Copies go between SGLang's host pool (`page_first` or `page_first_direct`) and radixkv's
 canonical [layers, 2, block, heads, dim] blocks (layout.HostPages). The namespace names the
@@ -173,20 +174,14 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return [False] * len(keys)
 
         def run(client: Client) -> list[bool]:
-            m = client.match_keys(self.namespace, path)
-            have = len(m.block_ids)
-            if have < skip:  # the prefix is gone from radixkv: nothing to hang these on
+            m = client.match_keys(self.namespace, path, store=True)
+            have, ids = len(m.block_ids), m.new_block_ids
+            if have < skip or m.alloc_error or not ids:
+                # the prefix is gone (nothing to hang these pages on), no room (the pages
+                # cached already count), or every page is cached
                 client.release(m.lease_id)
-                return [False] * len(keys)
-            need = len(path) - have
-            if not need:
-                client.release(m.lease_id)
-                return [True] * len(keys)
-            try:
-                ids = client.allocate(need, lease_id=m.lease_id).block_ids
-            except Exception:
-                client.release(m.lease_id)
-                raise
+                cached = max(0, have - skip)
+                return [True] * cached + [False] * (len(keys) - cached)
             page = self.mem_pool_host.page_size
             slots = host_indices[(have - skip) * page:len(keys) * page]
             assert self.pages is not None
@@ -194,7 +189,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                                client.pool_of(m.epoch).view(), ids)
             client.insert_keys(self.namespace, path, m.block_ids + ids, m.lease_id,
                                epoch=m.epoch, release=True)
-            self.stats["set_stored_pages"] += need
+            self.stats["set_stored_pages"] += len(ids)
             return [True] * len(keys)
 
         done = self._call(run, [False] * len(keys))
