@@ -105,13 +105,19 @@ class Link:
                 self._down_since = None
         return result
 
-    def note_epoch(self, epoch: str) -> None:
+    def note_epoch(self, epoch: str) -> bool:
         """An answer carried pool epoch `epoch`: if the service restarted since the layout
-        was checked, check the new pool's layout on the next call."""
+        was checked, check the new pool's layout on the next call (and say so: True)."""
         if self._checked_epoch is not None and epoch != self._checked_epoch:
             self.log.warning("radixkv restarted (pool epoch %s -> %s): remapping its pool",
                              self._checked_epoch, epoch)
             self._checked_epoch = None
+            return True
+        return False
+
+    def confirm_epoch(self, epoch: str) -> None:
+        """The caller checked the layout of pool epoch `epoch` itself (after `note_epoch`)."""
+        self._checked_epoch = epoch
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:

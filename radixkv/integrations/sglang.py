@@ -49,6 +49,7 @@ from radixkv.client import Client
 from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
 from radixkv.integrations.link import Down, LayoutMismatch, Link
 from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
+from radixkv.types import LeaseMatch
 
 log = logging.getLogger("radixkv.integrations.sglang")
 
@@ -131,7 +132,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return 0
 
         def run(client: Client) -> int:
-            m = client.match_keys(self.namespace, path)
+            m = self._match(client, path)
             client.release(m.lease_id)
             return max(0, len(m.block_ids) - skip)
 
@@ -149,7 +150,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return out
 
         def run(client: Client) -> int:
-            m = client.match_keys(self.namespace, path)
+            m = self._match(client, path)
             try:
                 blocks = m.block_ids[skip:]
                 mapping = client.pool_of(m.epoch)
@@ -174,7 +175,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return [False] * len(keys)
 
         def run(client: Client) -> list[bool]:
-            m = client.match_keys(self.namespace, path, store=True)
+            m = self._match(client, path, store=True)
             have, ids = len(m.block_ids), m.new_block_ids
             if have < skip or m.alloc_error or not ids:
                 # the prefix is gone (nothing to hang these pages on), no room (the pages
@@ -215,7 +216,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return out
 
         def run(client: Client) -> bool:
-            m = client.match_keys(self.namespace, path)
+            m = self._match(client, path)
             try:
                 view = client.pool_of(m.epoch).view()
                 for i, b in enumerate(m.block_ids):
@@ -243,7 +244,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return False
 
         def run(client: Client) -> bool:
-            m = client.match_keys(self.namespace, path, store=True)
+            m = self._match(client, path, store=True)
             if m.alloc_error:
                 client.release(m.lease_id)
                 return False
@@ -294,6 +295,20 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                       len(bad) if bad is not None else 0)
             return None, 0
         return path, len(prefix or ())
+
+    def _match(self, client: Client, path: list[bytes], store: bool = False) -> LeaseMatch:
+        """Match `path` in the namespace. If radixkv restarted since its layout was checked,
+        the new pool's layout is checked first (LayoutMismatch, after releasing, if it no
+        longer fits: the link then refuses)."""
+        m = client.match_keys(self.namespace, path, store=store)
+        if self.link.note_epoch(m.epoch):
+            try:
+                self._check(client)
+            except BaseException:
+                client.release(m.lease_id)
+                raise
+            self.link.confirm_epoch(m.epoch)
+        return m
 
     def _starts(self, slots: torch.Tensor) -> torch.Tensor:
         """The first slot of each page in `slots`."""
