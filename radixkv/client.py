@@ -163,6 +163,11 @@ class Client:
             self._mapping = attach(self._info.handle)
         return self._mapping
 
+    @property
+    def mapped(self) -> bool:
+        """Whether this client has the pool mapped now."""
+        return self._mapping is not None
+
     def pool_of(self, epoch: str) -> PoolMapping:
         """The pool mapping of `epoch`; StalePool if the service has restarted since (its
         block ids and KV are gone)."""
@@ -192,16 +197,51 @@ class Client:
         self._note_epoch(resp.epoch)
         return match_results(resp)
 
+    def match_keys(self, namespace: str, keys: Sequence[bytes], ttl: float = 0.0,
+                   store: bool = False) -> LeaseMatch:
+        """`match` of a sequence of opaque block keys (all of one size, 8..64 bytes, a multiple
+        of 4; e.g. an engine's chain hash per block) in a key-keyed namespace: the leading run
+        of keys cached, as `len(block_ids)` blocks (num_tokens: that x block_size). With
+        `store`, the lease also gets `new_block_ids` for the keys past the match."""
+        return self.match_keys_many([(namespace, keys)], ttl, store)[0]
+
+    def match_keys_many(self, queries: Sequence[tuple[str, Sequence[bytes]]], ttl: float = 0.0,
+                        store: bool = False) -> list[LeaseMatch]:
+        """`match_keys` for several key sequences in one call, a lease each."""
+        req = pb.MatchRequest(client_id=self.client_id, lease_ttl_s=ttl)
+        add = req.queries.add
+        for ns, keys in queries:
+            data, size = key_bytes(keys)
+            add(namespace=ns, keys=data, key_size=size, store_tokens=STORE_ALL if store else 0)
+        resp = self._call("Match", req)
+        self._note_epoch(resp.epoch)
+        return match_results(resp)
+
+    def insert_keys(self, namespace: str, keys: Sequence[bytes], block_ids: Sequence[int],
+                    lease_id: int, epoch: str = "", release: bool = False,
+                    hint: str | None = None) -> InsertResult:
+        """`insert` of written blocks named by their keys (one id per key, in order) into a
+        key-keyed namespace; num_cached_tokens counts keys already cached x block_size."""
+        data, size = key_bytes(keys)
+        req = pb.InsertRequest(client_id=self.client_id, items=[pb.InsertItem(
+            namespace=namespace, keys=data, key_size=size, block_ids=to_token_bytes(block_ids),
+            lease_id=lease_id, epoch=epoch, release=release,
+            hint=hint_codes([hint], 1)[0])])
+        r = self._call("Insert", req).results[0]
+        return InsertResult(ids_from_bytes(r.adopted), ids_from_bytes(r.duplicates),
+                            r.num_cached_tokens)
+
     def allocate(self, num_blocks: int, lease_id: int = 0, namespace: str = "",
                  ttl: float = 0.0, starts_sequence: bool = False,
-                 num_window_blocks: int = 0) -> Allocation:
+                 num_window_blocks: int = 0, key_size: int = 0) -> Allocation:
         """`starts_sequence`: the first block will hold position 0 (a quantized pool with sink
         tokens then gives a sink block). `num_window_blocks`: window parts too (sliding-window
-        pools), in `Allocation.window_ids`."""
+        pools), in `Allocation.window_ids`. `key_size`: a new lease's namespace, if new, is
+        key-keyed with keys of this size."""
         resp = self._call("Allocate", pb.AllocateRequest(
             client_id=self.client_id, lease_id=lease_id, namespace=namespace,
             num_blocks=num_blocks, lease_ttl_s=ttl, starts_sequence=starts_sequence,
-            num_window_blocks=num_window_blocks))
+            num_window_blocks=num_window_blocks, key_size=key_size))
         self._note_epoch(resp.epoch)
         return Allocation(resp.lease_id, ids_from_bytes(resp.block_ids), resp.num_evicted,
                           resp.epoch, ids_from_bytes(resp.window_ids))
@@ -286,7 +326,8 @@ class Client:
 
     def dump_tree(self, namespace: str, max_depth: int = 0) -> tuple[list[NodeView], int]:
         """The whole tree at once, one snapshot (a big one may pass the message limit: page
-        it with `dump_page`) and the last event sequence it reflects."""
+        it with `dump_page`; key-keyed: each node's `keys`, no tokens) and the last event
+        sequence it reflects."""
         resp = self._call("DumpTree", pb.DumpTreeRequest(namespace=namespace,
                                                          max_depth=max_depth))
         return [node_view(n) for n in resp.nodes], resp.last_sequence
@@ -337,3 +378,16 @@ class Client:
         except grpc.RpcError as e:
             raise to_error(e) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def key_bytes(keys: Sequence[bytes]) -> tuple[bytes, int]:
+    """Block keys as the wire carries them: concatenated, and the size of one; InvalidArgument
+    for none or keys of different sizes (the service checks the size itself)."""
+    if not keys:
+        raise InvalidArgument("empty key list")
+    size = len(keys[0])
+    for i, k in enumerate(keys):
+        if len(k) != size:
+            raise InvalidArgument(f"key {i} is {len(k)} bytes, key 0 is {size}: one key size "
+                                  "per sequence")
+    return b"".join(keys), size

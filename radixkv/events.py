@@ -40,6 +40,7 @@ class KVEvent:
     block_hashes: tuple[int, ...] = ()
     parent_block_hash: int | None = None
     window_ids: tuple[int, ...] = ()  # window_*: the window parts of block_ids' positions
+    key_size: int = 0  # key-keyed namespaces: `tokens` holds the blocks' keys, this size each
 
 
 _P = 0x9E3779B97F4A7C15  # the chain's multiplier (odd)
@@ -106,7 +107,8 @@ class EventLog:
         self.block_size = block_size
         self.capacity = capacity
         self._buffer: deque[KVEvent] = deque(maxlen=capacity)
-        self._queued: list[tuple[int, str, float, TreeEvent | None]] = []  # None: cleared
+        # (sequence, namespace, time, event (None: cleared), key size (0: token-keyed))
+        self._queued: list[tuple[int, str, float, TreeEvent | None, int]] = []
         self._last = 0
         self._cond = threading.Condition()
         self._hash_of: dict[str, dict[int, int]] = {}  # namespace -> block id -> hash
@@ -115,12 +117,13 @@ class EventLog:
     def last_sequence(self) -> int:
         return self._last
 
-    def publish(self, namespace: str, events: Iterable[TreeEvent]) -> None:
+    def publish(self, namespace: str, events: Iterable[TreeEvent], key_size: int = 0) -> None:
+        """`key_size`: the namespace is key-keyed (its events' `tokens` are block keys)."""
         with self._cond:
             now = time.time()
             for ev in events:
                 self._last += 1
-                self._queued.append((self._last, namespace, now, ev))
+                self._queued.append((self._last, namespace, now, ev, key_size))
             if len(self._queued) >= min(self.HASH_BATCH, self.capacity):
                 self._hash_queued()
             self._cond.notify_all()
@@ -129,18 +132,20 @@ class EventLog:
         """AllBlocksCleared for one namespace: its block hashes are forgotten."""
         with self._cond:
             self._last += 1
-            self._queued.append((self._last, namespace, time.time(), None))
+            self._queued.append((self._last, namespace, time.time(), None, 0))
             self._cond.notify_all()
 
     def _hash_queued(self) -> None:
         """Turn the queued tree events into KVEvents in the buffer, hashing their blocks: every
-        stored block's content in one numpy pass, then each chain from its parent's hash."""
+        stored block's content in one numpy pass, then each chain from its parent's hash (a
+        key-keyed block's content hash is its key's, as a key of key_size / 4 uint32s)."""
         queued, self._queued = self._queued, []
         run = block_bytes(self.block_size)
-        contents = _contents(b"".join(ev.tokens[:len(ev.block_ids) * run] for *_, ev in queued
-                                      if isinstance(ev, BlockStored)), self.block_size)
+        contents = _contents(b"".join(ev.tokens[:len(ev.block_ids) * run]
+                                      for *_, ev, ks in queued
+                                      if isinstance(ev, BlockStored) and not ks), self.block_size)
         at = 0
-        for sequence, namespace, when, ev in queued:
+        for sequence, namespace, when, ev, key_size in queued:
             if ev is None:
                 self._hash_of.pop(namespace, None)
                 self._buffer.append(KVEvent(sequence, namespace, when, "cleared"))
@@ -148,13 +153,16 @@ class EventLog:
             known = self._hash_of.setdefault(namespace, {})
             if isinstance(ev, BlockStored):
                 parent_hash = None if ev.parent_block_id is None else known[ev.parent_block_id]
-                hashes = _chain(_salt(namespace) if parent_hash is None else parent_hash,
-                                contents[at:at + len(ev.block_ids)])
-                at += len(ev.block_ids)
+                if key_size:
+                    mine = _contents(ev.tokens, key_size // 4)
+                else:
+                    mine = contents[at:at + len(ev.block_ids)]
+                    at += len(ev.block_ids)
+                hashes = _chain(_salt(namespace) if parent_hash is None else parent_hash, mine)
                 known.update(zip(ev.block_ids, hashes, strict=True))
                 self._buffer.append(KVEvent(sequence, namespace, when, "stored", ev.block_ids,
                                             ev.parent_block_id, ev.tokens, tuple(hashes),
-                                            parent_hash))
+                                            parent_hash, key_size=key_size))
             elif isinstance(ev, BlockRemoved):
                 self._buffer.append(KVEvent(sequence, namespace, when, "removed", ev.block_ids,
                                             block_hashes=tuple(map(known.pop, ev.block_ids))))

@@ -16,9 +16,12 @@ resume need) lives here, in `Namespace` and its subclass `WindowNamespace`, as t
     end_lease     a lease's pins dropped (and its retention hint given)
     stats, nodes  the figures and a snapshot of the tree
     add_result    a Match answer onto the wire
+    span          the tokens a query's data stands for
+    blocks_to_store  the blocks a Match that stores (store_tokens) covers
 
 The service picks the kind once, from the pool's layout (`kind_of`), and never asks which one
-it has.
+it has. A third kind, key-keyed (radixkv.keyed), names blocks by opaque keys instead of
+tokens: `Namespaces.open` makes one where a call gives keys.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Counters:
 class Namespace:
     """A full-attention namespace."""
 
+    key_size = 0  # token-keyed (radixkv.keyed: key-keyed)
+
     def __init__(self, name: str, block_size: int, window_blocks: int, policy: EvictionPolicy[Any],
                  clock: Callable[[], int]) -> None:
         self.name = name
@@ -75,6 +80,14 @@ class Namespace:
         return RadixTree(block_size, policy, clock=clock)
 
     # ---- match -------------------------------------------------------------------------------
+
+    def span(self, tokens: bytes) -> int:
+        """The tokens a query's data stands for."""
+        return num_tokens(tokens)
+
+    def blocks_to_store(self, tokens: bytes, store_tokens: int) -> int:
+        """The full blocks among the first `store_tokens` tokens of the query."""
+        return min(store_tokens, num_tokens(tokens)) // self.block_size
 
     def match(self, lease: Lease, tokens: bytes) -> MatchResult:
         """The tree's match of `tokens`, pinned for `lease` and counted as a request."""
@@ -214,6 +227,10 @@ class Namespace:
         return NamespaceStats(self.name, self.tree.num_cached_blocks, self.tree.stats().num_nodes,
                               self.life.requests, self.life.query_tokens, self.life.hit_tokens,
                               self.life.evicted_blocks)
+
+    def shown(self, nodes: list[NodeView]) -> list[NodeView]:
+        """Tree nodes as this kind shows them (key-keyed: keys, not tokens)."""
+        return nodes
 
     def nodes(self, max_depth: int = 0) -> list[NodeView]:
         """The tree's nodes, DFS pre-order, at most `max_depth` edges deep when > 0."""

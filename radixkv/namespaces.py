@@ -1,15 +1,16 @@
 """The service's namespaces by name: created on first use, of the one kind the pool's layout
-chose, and dropped when they hold no blocks and no leases (their lifetime counters stay, in
-`retired`)."""
+chose (or key-keyed, radixkv.keyed, where the first call gives keys), and dropped when they
+hold no blocks and no leases (their lifetime counters stay, in `retired`)."""
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
-from radixkv.errors import LimitExceeded
+from radixkv.errors import FailedPrecondition, LimitExceeded
 from radixkv.index.policies import PolicyFactory
+from radixkv.keyed import KeyNamespace
 from radixkv.kinds import Counters, Namespace
 
 
@@ -50,12 +51,29 @@ class Namespaces:
             raise LimitExceeded(f"{len(self._by_name)} namespaces hold blocks or leases and "
                                 f"{new_namespaces} more were asked for; limit {self._max}")
 
-    def open(self, name: str) -> Namespace:
-        """The namespace, created if absent (callers checked the limit first)."""
+    def check_kinds(self, calls: Iterable[tuple[str, int]]) -> None:
+        """FailedPrecondition unless each (name, key_size) of a batch is of its namespace's kind
+        (key-keyed with that key size, or token-keyed for 0), for namespaces that exist or that
+        an earlier call of the batch creates."""
+        kinds: dict[str, int] = {}
+        for name, key_size in calls:
+            ns = self._by_name.get(name)
+            have = kinds.setdefault(name, key_size if ns is None else ns.key_size)
+            if have != key_size:
+                raise FailedPrecondition(
+                    f"namespace {name!r} is {_kind(have)}; this call gives {_kind(key_size)}")
+
+    def open(self, name: str, key_size: int = 0) -> Namespace:
+        """The namespace, created if absent (callers checked the limit and `check_kinds`
+        first): key-keyed with `key_size`-byte keys, else of the pool's kind."""
         ns = self._by_name.get(name)
         if ns is None:
-            ns = self.kind(name, self._block_size, self._window_blocks, self._policies(name),
-                           self._clock)
+            if key_size:
+                ns = KeyNamespace(name, self._block_size, key_size, self._policies(name),
+                                  self._clock)
+            else:
+                ns = self.kind(name, self._block_size, self._window_blocks,
+                               self._policies(name), self._clock)
             self._by_name[name] = ns
         return ns
 
@@ -75,3 +93,7 @@ class Namespaces:
         for ns in self._by_name.values():
             life.add(ns.life)
         return life
+
+
+def _kind(key_size: int) -> str:
+    return f"key-keyed ({key_size}-byte keys)" if key_size else "token-keyed (tokens)"

@@ -25,7 +25,6 @@ from radixkv.index.results import MatchResult
 from radixkv.kinds import Namespace
 from radixkv.lease_table import Lease, LeaseTable
 from radixkv.namespaces import Namespaces
-from radixkv.tokens import num_tokens
 from radixkv.types import LeaseMatch
 
 
@@ -51,13 +50,13 @@ class Reclaimer:
         """`o` with blocks allocated for the uncached full blocks of tokens[:store_tokens] (and
         the window parts its namespace's kind plans; `m`: the tree's match behind `o`), or
         with `alloc_error` saying why there was no room."""
-        end = min(store_tokens, num_tokens(tokens)) // self.pool.layout.block_size
+        lease = self.leases.find(o.lease_id)
+        ns = self.namespaces[lease.namespace]
+        end = ns.blocks_to_store(tokens, store_tokens)
         want = end - len(o.block_ids)
         if want <= 0:
             return o
         sinks = 0 if o.block_ids else 1  # a sequence's first block comes from the sink region
-        lease = self.leases.find(o.lease_id)
-        ns = self.namespaces[lease.namespace]
         need = ns.plan_store(o, tokens, end, m)  # blocks that get window parts
         try:
             num_evicted = self.make_room(want, sinks=sinks, windows=len(need))

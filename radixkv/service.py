@@ -57,7 +57,7 @@ from radixkv.lease_table import Lease, LeaseTable
 from radixkv.namespaces import Namespaces
 from radixkv.reclaim import Reclaimer
 from radixkv.service_config import ServiceConfig
-from radixkv.tokens import block_bytes, num_tokens
+from radixkv.tokens import block_bytes
 from radixkv.types import Allocation, DumpPage, LeaseMatch, ServiceStats
 from radixkv.validation import InputChecks, check_namespace, hint_codes
 
@@ -102,25 +102,33 @@ class KVService:
     # ---- the request path --------------------------------------------------------------------
 
     def match(self, owner: str, namespace: str, tokens: bytes,
-              ttl_s: float | None = None, client: str | None = None) -> LeaseMatch:
-        """Longest cached prefix of `tokens` in `namespace`; opens a lease that pins it."""
-        return self.match_many(owner, [(namespace, tokens)], ttl_s, client=client)[0]
+              ttl_s: float | None = None, key_size: int = 0,
+              client: str | None = None) -> LeaseMatch:
+        """Longest cached prefix of `tokens` (block keys of `key_size` bytes each, where not 0)
+        in `namespace`; opens a lease that pins it."""
+        return self.match_many(owner, [(namespace, tokens)], ttl_s,
+                               key_sizes=[key_size] if key_size else None, client=client)[0]
 
     def match_many(self, owner: str, queries: Sequence[tuple[str, bytes]],
                    ttl_s: float | None = None,
                    store_tokens: Sequence[int] | None = None,
+                   key_sizes: Sequence[int] | None = None,
                    client: str | None = None) -> list[LeaseMatch]:
         """Batched match, one lease per query (`ttl_s`: their TTL, None for the default).
+        `key_sizes`: per query, block keys of that many bytes instead of tokens (0: tokens).
         `client`: what the lease limits count the new leases under (None: the client id
         `owner`; the server passes the connection where it can tell them apart). Every
         query and limit is checked before the first lease opens: a failed batch changes
         nothing. With `store_tokens` (one count per query), each query's lease also gets blocks
         for the uncached full blocks among its first store_tokens[i] tokens, allocated once
         every query is matched and pinned; a query that finds no room says so in its
-        `alloc_error` and keeps its match (the batch does not fail)."""
-        for namespace, tokens in queries:
+        `alloc_error` and keeps its match (the batch does not fail). `key_sizes`: None or one
+        per query, the bytes of each block key where that query gives keys (radixkv.keyed),
+        0 where it gives tokens."""
+        sizes = self._key_sizes(key_sizes, len(queries))
+        for (namespace, tokens), key_size in zip(queries, sizes, strict=True):
             check_namespace(namespace)
-            self._checks.tokens(tokens)
+            self._checks.data(tokens, key_size)
         ttl = self._checks.ttl(ttl_s)
         out = []
         found: list[MatchResult] = []  # the trees' matches, for the stores
@@ -130,13 +138,16 @@ class KVService:
             names = {name for name, _ in queries}
             self._namespaces.check_room(len([n for n in names if n not in self._namespaces]))
             self._leases.check_room(key, len(queries), names)
-            for namespace, tokens in queries:
-                ns = self._namespaces.open(namespace)
+            self._namespaces.check_kinds(
+                (name, size) for (name, _), size in zip(queries, sizes, strict=True))
+            for (namespace, tokens), key_size in zip(queries, sizes, strict=True):
+                ns = self._namespaces.open(namespace, key_size)
                 lease = self._leases.open(owner, key, ns.name, ttl)
                 ns.num_leases += 1
                 m = ns.match(lease, tokens)
-                self._recent.append((num_tokens(tokens), m.num_tokens))
-                out.append(ns.answer(lease.lease_id, m, epoch))
+                answer = ns.answer(lease.lease_id, m, epoch)
+                self._recent.append((ns.span(tokens), answer.num_tokens))
+                out.append(answer)
                 found.append(m)
             if store_tokens is not None:
                 out = [self._reclaim.store(o, queries[i][1], store_tokens[i], found[i])
@@ -146,14 +157,15 @@ class KVService:
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
         ttl_s: float | None = None, starts_sequence: bool = False, num_window_blocks: int = 0,
-        client: str | None = None,
+        key_size: int = 0, client: str | None = None,
     ) -> Allocation:
         """`num_blocks` free blocks leased to `lease_id` (a new lease in `namespace` if None,
         with TTL `ttl_s`), evicting unpinned LRU leaves when the free list is short. When it
         raises (OutOfBlocks, ...), no lease was opened and nothing was evicted (except while
         looking for a free sink block). `starts_sequence`: the first block will hold position
         0, so it comes from the sink region where the pool has one. `num_window_blocks`:
-        window parts too (windowed pools; then num_blocks may be 0). `client`: as for
+        window parts too (windowed pools; then num_blocks may be 0). `key_size`: a new lease's
+        namespace is key-keyed with keys of this size (radixkv.keyed). `client`: as for
         match_many."""
         windows, sinks = num_window_blocks, int(starts_sequence)
         self._checks.allocate(num_blocks, windows)
@@ -167,10 +179,13 @@ class KVService:
                 self._leases.touch(lease)
             else:
                 check_namespace(namespace)
+                if key_size:
+                    self._checks.keys(b"\0" * key_size, key_size)
                 key = _client_key(owner, client)
                 self._namespaces.check_room(namespace not in self._namespaces)
                 self._leases.check_room(key, 1, (namespace,))
-                ns = self._namespaces.open(namespace)
+                self._namespaces.check_kinds([(namespace, key_size)])
+                ns = self._namespaces.open(namespace, key_size)
                 try:
                     num_evicted = self._reclaim.make_room(num_blocks, keep=ns, sinks=sinks,
                                                           windows=windows)
@@ -184,36 +199,43 @@ class KVService:
 
     def insert(
         self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int],
-        hint: str | int | None = None, window_ids: Sequence[int] = (),
+        hint: str | int | None = None, window_ids: Sequence[int] = (), key_size: int = 0,
     ) -> InsertResult:
         """Commit `block_ids` (one per full block of `tokens`) into the namespace's tree. Each
         id must be leased to `lease_id` or be the id the tree already holds at that position.
         Prefixes already cached are not adopted: those leased blocks return to the free list.
         `hint`: a retention hint for the node where `tokens` end (RadixTree.hint).
         `window_ids` (windowed pools): the window parts of the last len(window_ids) blocks,
-        each leased to the lease or the one cached there."""
+        each leased to the lease or the one cached there. `key_size`: `tokens` are block keys
+        of this size, one per block id (a key-keyed namespace)."""
         return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)],
-                                hints=[hint], window_ids=[window_ids])[0][0]
+                                hints=[hint], window_ids=[window_ids],
+                                key_sizes=[key_size] if key_size else None)[0][0]
 
     def insert_many(
         self, owner: str, items: Sequence[tuple[int, str, bytes, Sequence[int]]],
         release: Collection[int] = (), hints: Sequence[str | int | None] | None = None,
         window_ids: Sequence[Sequence[int]] | None = None,
+        key_sizes: Sequence[int] | None = None,
     ) -> tuple[list[InsertResult], dict[int, int]]:
         """`insert` for each (lease_id, namespace, tokens, block_ids), all or nothing: every
         item is checked against the state before the first one is applied, and a block id may
         be claimed by one item only. Then the leases in `release` (ids of these items) end as
         `release` ends them. `hints`: None or one retention hint per item; `window_ids`: None
-        or each item's window parts (`insert`). Returns the results and {released lease id:
-        blocks freed}."""
+        or each item's window parts (`insert`); `key_sizes`: None or each item's key size (0:
+        tokens). Returns the results and {released lease id: blocks freed}."""
         codes = hint_codes(hints, len(items))
         wins: Sequence[Sequence[int]] = window_ids or [()] * len(items)
         if len(wins) != len(items):
             raise InvalidArgument(f"{len(wins)} window-part lists for {len(items)} items")
-        for (_, namespace, tokens, block_ids), w in zip(items, wins, strict=True):
-            self._checks.insert(namespace, tokens, block_ids, w)
+        sizes = self._key_sizes(key_sizes, len(items))
+        for (_, namespace, tokens, block_ids), w, key_size in zip(items, wins, sizes,
+                                                                 strict=True):
+            self._checks.insert(namespace, tokens, block_ids, w, key_size)
         with self._lock:
             leases = [self._leases.get(owner, lease_id) for lease_id, *_ in items]
+            self._namespaces.check_kinds(
+                (lease.namespace, size) for lease, size in zip(leases, sizes, strict=True))
             claimed: set[int] = set()
             for lease, (_, namespace, tokens, block_ids), w in zip(leases, items, wins,
                                                                   strict=True):
@@ -317,17 +339,23 @@ class KVService:
         for one page only. Pages may come from different moments (index/pages.py)."""
         if not 1 <= page_size <= MAX_DUMP_PAGE:
             raise InvalidArgument(f"page_size {page_size}: 1 to {MAX_DUMP_PAGE} nodes")
-        if len(cursor) % block_bytes(self.block_size):
-            raise InvalidArgument(f"cursor of {len(cursor)} bytes is not a path of whole "
-                                  f"{self.block_size}-token blocks: pass a next_cursor back")
         with self._lock:
             if namespace not in self._namespaces:
                 raise NotFound(f"namespace {namespace!r} does not exist (known: "
                                f"{', '.join(self._namespaces.names()) or 'none'})")
-            tree = self._namespaces[namespace].tree
-            nodes, after = page(tree.root, self.block_size, cursor, page_size, max_depth,
+            ns = self._namespaces[namespace]
+            if len(cursor) % (ns.key_size or block_bytes(self.block_size)):
+                raise InvalidArgument(f"cursor of {len(cursor)} bytes is not a path of whole "
+                                      "blocks: pass a next_cursor back")
+            nodes, after = page(ns.tree.root, self.block_size, cursor, page_size, max_depth,
                                 self.events.block_hashes(namespace))
-            return DumpPage(tuple(nodes), self.events.last_sequence, after)
+            return DumpPage(tuple(ns.shown(nodes)), self.events.last_sequence, after)
+
+    def key_size(self, namespace: str) -> int:
+        """The key size of a key-keyed namespace; 0 for a token-keyed or unknown one."""
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            return ns.key_size if ns is not None else 0
 
     def namespaces(self) -> list[str]:
         with self._lock:
@@ -374,9 +402,16 @@ class KVService:
         result = ns.insert(lease, tokens, block_ids, hint, window_ids, pin)
         if result.duplicates:
             self.pool.free(list(result.duplicates))
-        self.events.publish(ns.name, ns.tree.take_events())
+        self.events.publish(ns.name, ns.tree.take_events(), ns.key_size)
         return result
 
+    @staticmethod
+    def _key_sizes(key_sizes: Sequence[int] | None, count: int) -> Sequence[int]:
+        if key_sizes is None:
+            return [0] * count
+        if len(key_sizes) != count:
+            raise InvalidArgument(f"{len(key_sizes)} key sizes for {count} items")
+        return key_sizes
 
 def _client_key(owner: str, client: str | None) -> str:
     """What the lease limits count a client's leases under."""

@@ -71,6 +71,7 @@ class NodeView:
     last_access: float  # time.time() of the last touch
     window_ids: tuple[int, ...] = ()  # windowed trees: each block's window part (HOLE: none)
     block_hashes: tuple[int, ...] = ()  # paged dumps: each block's chained hash (as events)
+    keys: bytes = b""  # key-keyed namespaces (tokens empty): this edge's block keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ class NamespaceStats:
     query_tokens: int
     hit_tokens: int
     evicted_blocks: int
+    key_size: int = 0  # key-keyed namespaces: bytes per block key (0: token-keyed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import numpy as np
 from radixkv.errors import InvalidArgument
 from radixkv.index.hints import NO_HINT, parse_hint
 from radixkv.index.window_tree import HOLE
+from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 if TYPE_CHECKING:
@@ -85,6 +86,32 @@ class InputChecks:
                 raise InvalidArgument(f"token id {int(ids[i])} at index {i} is out of range "
                                       f"(vocab_size {vocab})")
 
+    def data(self, data: bytes, key_size: int) -> None:
+        """A query's tokens, or its block keys when `key_size` is not 0."""
+        if key_size:
+            self.keys(data, key_size)
+        else:
+            self.tokens(data)
+
+    def keys(self, keys: bytes, key_size: int) -> None:
+        """Block keys of a key-keyed call: key_size a multiple of 4 in 8..64, whole keys, at
+        most as many as max_tokens allows blocks, on a full-attention pool."""
+        if key_size % TOKEN_BYTES or not MIN_KEY_SIZE <= key_size <= MAX_KEY_SIZE:
+            raise InvalidArgument(f"key_size must be a multiple of 4 in {MIN_KEY_SIZE}.."
+                                  f"{MAX_KEY_SIZE} bytes, got {key_size}")
+        if self.pool.layout.window_blocks:
+            raise InvalidArgument("block keys on a sliding-window pool: key-keyed namespaces "
+                                  "need a full-attention pool")
+        if not keys:
+            raise InvalidArgument("empty key list")
+        if len(keys) % key_size:
+            raise InvalidArgument(f"keys are {len(keys)} bytes, not a whole number of "
+                                  f"{key_size}-byte keys")
+        limit = self.config.max_tokens // self.block_size
+        if len(keys) // key_size > limit:
+            raise InvalidArgument(f"{len(keys) // key_size} keys, limit {limit} (max_tokens "
+                                  f"{self.config.max_tokens} / block_size {self.block_size})")
+
     def allocate(self, num_blocks: int, num_window_blocks: int) -> None:
         """The counts an Allocate asks: window parts only of a windowed pool; at least one
         block unless it asks window parts; no more than the pool has."""
@@ -99,18 +126,23 @@ class InputChecks:
                 f"num_blocks must be in 1..{pool.num_full_blocks}, got {num_blocks}")
 
     def insert(self, namespace: str, tokens: bytes, block_ids: Sequence[int],
-               window_ids: Sequence[int] = ()) -> None:
-        """One Insert item against the pool: a block id per full block, in range, no repeats,
-        a sink block at position 0 where the pool has sinks; window parts only of a windowed
-        pool, at most one per block, each a window part id (HOLE: none)."""
+               window_ids: Sequence[int] = (), key_size: int = 0) -> None:
+        """One Insert item against the pool: a block id per full block (per key where
+        `key_size`: then `tokens` are the keys), in range, no repeats, a sink block at
+        position 0 where the pool has sinks; window parts only of a windowed pool, at most one
+        per block, each a window part id (HOLE: none)."""
         check_namespace(namespace)
-        self.tokens(tokens)
+        self.data(tokens, key_size)
         pool = self.pool
-        num_full = num_tokens(tokens) // self.block_size
-        if len(block_ids) != num_full:
+        if key_size:
+            if len(block_ids) != len(tokens) // key_size:
+                raise InvalidArgument(f"{len(block_ids)} block ids for "
+                                      f"{len(tokens) // key_size} keys: give one per key")
+        elif len(block_ids) != num_tokens(tokens) // self.block_size:
             raise InvalidArgument(
-                f"{len(block_ids)} block ids for {num_full} full blocks "
-                f"({num_tokens(tokens)} tokens, block_size {self.block_size})")
+                f"{len(block_ids)} block ids for {num_tokens(tokens) // self.block_size} full "
+                f"blocks ({num_tokens(tokens)} tokens, block_size {self.block_size})")
+        num_full = len(block_ids)
         if window_ids:
             if not pool.layout.window_blocks:
                 raise InvalidArgument("window parts given for a pool without a sliding window")

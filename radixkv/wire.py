@@ -201,10 +201,10 @@ def tree_node_pb(n: NodeView) -> pb.TreeNode:
     return pb.TreeNode(node_id=n.node_id, parent_id=n.parent_id or 0,
                        depth_tokens=n.depth_tokens, tokens=n.tokens, block_ids=n.block_ids,
                        lock_count=n.lock_count, hits=n.hits, last_access=n.last_access,
-                       window_ids=n.window_ids, block_hashes=n.block_hashes)
+                       window_ids=n.window_ids, block_hashes=n.block_hashes, keys=n.keys)
 
 
 def node_view(n: pb.TreeNode) -> NodeView:
     return NodeView(n.node_id, n.parent_id or None, n.depth_tokens, n.tokens,
                     tuple(n.block_ids), n.lock_count, n.hits, n.last_access,
-                    tuple(n.window_ids), tuple(n.block_hashes))
+                    tuple(n.window_ids), tuple(n.block_hashes), n.keys)

@@ -49,6 +49,12 @@ def _token_ids(data: bytes, limit: int | None = None) -> list[int]:
     return [int(t) for t in from_token_bytes(data)[:end]]
 
 
+def _keys_hex(keys: bytes, count: int, limit: int) -> list[str]:
+    """The first `limit` of `count` block keys, in hex."""
+    size = len(keys) // count if count else 0
+    return [keys[i * size:(i + 1) * size].hex() for i in range(min(count, limit))]
+
+
 # ---- summary -------------------------------------------------------------------------------
 
 def summary(kv: Client) -> dict[str, Any]:
@@ -192,6 +198,8 @@ def tree_view(kv: Client, namespace: str, depth: int = 0) -> dict[str, Any]:
             "age_s": round(max(0.0, now - n.last_access), 3),
             "first_token_ids": _token_ids(n.tokens, PREVIEW), "block_ids": list(n.block_ids),
             "subtree_tokens": tokens, "subtree_blocks": blocks}
+        if n.keys:  # a key-keyed namespace: its first block keys, in hex (no tokens)
+            out["first_keys"] = _keys_hex(n.keys, len(n.block_ids), PREVIEW)
         if n.window_ids:  # sliding-window pool: each block's window part (None: freed)
             out["window_ids"] = [None if w == HOLE else w for w in n.window_ids]
         if depth and level >= depth:
@@ -220,9 +228,15 @@ def render_tree(t: dict[str, Any]) -> Any:
                 f"(as of event {t['last_sequence']})")
 
     def add(parent: Tree, n: dict[str, Any]) -> None:
-        label = (f"[cyan]\\[{_ids(n['first_token_ids'], n['tokens'])}][/] {n['tokens']} tok "
-                 f"{n['blocks']} blk (subtree {n['subtree_tokens']} tok)  hits {n['hits']}  "
-                 f"locks {n['lock_count']}  {_age(n['age_s'])} ago")
+        if "first_keys" in n:  # key-keyed: keys (hex, cut short), no tokens
+            keys = " ".join(k[:16] for k in n["first_keys"])
+            label = (f"[cyan]\\[{keys}{' ...' if n['blocks'] > len(n['first_keys']) else ''}]"
+                     f"[/] {n['blocks']} keys  hits {n['hits']}  locks {n['lock_count']}  "
+                     f"{_age(n['age_s'])} ago")
+        else:
+            label = (f"[cyan]\\[{_ids(n['first_token_ids'], n['tokens'])}][/] {n['tokens']} "
+                     f"tok {n['blocks']} blk (subtree {n['subtree_tokens']} tok)  hits "
+                     f"{n['hits']}  locks {n['lock_count']}  {_age(n['age_s'])} ago")
         if "window_ids" in n:
             marks = "".join("w" if w is not None else "." for w in n["window_ids"])
             label += f"  window parts [{marks}]"

@@ -291,3 +291,50 @@ def check_layers(layers: Sequence[torch.Tensor], pages: Any, num_kv_heads: int,
             want = f"[pages, {num_kv_heads}, {block_size}, {2 * head_dim}]"
         if not ok:
             raise LayoutError(f"engine KV tensor {describe(kv)} is not {want}")
+
+
+# ---- SGLang's HiCache host pool ---------------------------------------------------------------
+
+TORCH_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class HostPages:
+    """SGLang's HiCache host KV pool (MHATokenToKVPoolHost.kv_buffer), whose pages are given by
+    their first token slot (`slots`, one per page):
+
+    - page_first: [2, slots, layers, kv_heads, head_dim]; a page is slots s..s+page_size-1;
+    - page_first_direct: [2, pages, layers, page_size, kv_heads, head_dim]; slot s is in page
+      s // page_size.
+
+    Copies go page by page, each one strided copy between views (on CPU, torch's indexed
+    gather / scatter of fp16 pages measured an order of magnitude slower)."""
+
+    layout: str  # "page_first" | "page_first_direct"
+    page_size: int
+
+    LAYOUTS = ("page_first", "page_first_direct")
+
+    def __post_init__(self) -> None:
+        if self.layout not in self.LAYOUTS:
+            raise LayoutError(f"SGLang host pool layout {self.layout!r} is not supported "
+                              f"(use --hicache-mem-layout {' or '.join(self.LAYOUTS)})")
+
+    def _page(self, kv: torch.Tensor, slot: int) -> torch.Tensor:
+        """The host page starting at `slot`, as a view in the canonical
+        [layers, 2, block, heads, dim] order."""
+        if self.layout == "page_first":
+            return kv[:, slot:slot + self.page_size].permute(2, 0, 1, 3, 4)
+        return kv[:, slot // self.page_size].transpose(0, 1)
+
+    def to_pool(self, kv: torch.Tensor, slots: torch.Tensor, pool_view: torch.Tensor,
+                blocks: Sequence[int]) -> None:
+        """Copy the host pages at `slots` into pool blocks `blocks` (same order)."""
+        for slot, block in zip(slots.tolist(), blocks, strict=True):
+            pool_view[block].copy_(self._page(kv, slot))
+
+    def from_pool(self, kv: torch.Tensor, slots: torch.Tensor, pool_view: torch.Tensor,
+                  blocks: Sequence[int]) -> None:
+        """Copy pool blocks `blocks` into the host pages at `slots` (same order)."""
+        for slot, block in zip(slots.tolist(), blocks, strict=True):
+            self._page(kv, slot).copy_(pool_view[block])

@@ -45,6 +45,7 @@ class Link:
         self.what = what
         self._check = check
         self._client: Client | None = None
+        self._retired: list[Client] = []  # clients dropped after a failure (closed at close())
         self._checked_epoch: str | None = None
         self._retry_at = 0.0
         self._down_since: float | None = None
@@ -104,13 +105,19 @@ class Link:
                 self._down_since = None
         return result
 
-    def note_epoch(self, epoch: str) -> None:
+    def note_epoch(self, epoch: str) -> bool:
         """An answer carried pool epoch `epoch`: if the service restarted since the layout
-        was checked, check the new pool's layout on the next call."""
+        was checked, check the new pool's layout on the next call (and say so: True)."""
         if self._checked_epoch is not None and epoch != self._checked_epoch:
             self.log.warning("radixkv restarted (pool epoch %s -> %s): remapping its pool",
                              self._checked_epoch, epoch)
             self._checked_epoch = None
+            return True
+        return False
+
+    def confirm_epoch(self, epoch: str) -> None:
+        """The caller checked the layout of pool epoch `epoch` itself (after `note_epoch`)."""
+        self._checked_epoch = epoch
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:
@@ -120,15 +127,25 @@ class Link:
             if first:
                 self._down_since = time.monotonic()
             self._checked_epoch = None  # a restarted service may have another pool
+            if self._client is not None:
+                # the next attempt gets a fresh channel (this one may sit in gRPC's reconnect
+                # backoff for seconds after radixkv is back); not closed now: another thread
+                # may still read the old pool mapping, which stays mapped until close()
+                if self._client.mapped:
+                    self._retired.append(self._client)
+                else:
+                    self._client.close()
+                self._client = None
         if first:
             self.log.warning("radixkv at %s is unavailable (%s: %s): serving without it (cache "
                         "misses) and retrying every %g s", self.target or "default socket",
                         type(e).__name__, e, self.retry_s)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        for client in (*self._retired, self._client):
+            if client is not None:
+                client.close()
+        self._client, self._retired = None, []
 
     @property
     def client(self) -> Any:

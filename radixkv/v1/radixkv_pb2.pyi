@@ -89,14 +89,18 @@ class PoolInfoResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., owner_pid: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., num_sink_blocks: _Optional[int] = ..., num_window_blocks: _Optional[int] = ...) -> None: ...
 
 class MatchQuery(_message.Message):
-    __slots__ = ("namespace", "tokens", "store_tokens")
+    __slots__ = ("namespace", "tokens", "store_tokens", "keys", "key_size")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     tokens: bytes
     store_tokens: int
-    def __init__(self, namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., store_tokens: _Optional[int] = ...) -> None: ...
+    keys: bytes
+    key_size: int
+    def __init__(self, namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., store_tokens: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("client_id", "queries", "lease_ttl_s")
@@ -137,7 +141,7 @@ class MatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks", "lease_ttl_s", "starts_sequence", "num_window_blocks")
+    __slots__ = ("client_id", "lease_id", "namespace", "num_blocks", "lease_ttl_s", "starts_sequence", "num_window_blocks", "key_size")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +149,7 @@ class AllocateRequest(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     STARTS_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NUM_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     lease_id: int
     namespace: str
@@ -152,7 +157,8 @@ class AllocateRequest(_message.Message):
     lease_ttl_s: float
     starts_sequence: bool
     num_window_blocks: int
-    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., starts_sequence: _Optional[bool] = ..., num_window_blocks: _Optional[int] = ...) -> None: ...
+    key_size: int
+    def __init__(self, client_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., starts_sequence: _Optional[bool] = ..., num_window_blocks: _Optional[int] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("lease_id", "block_ids", "num_evicted", "epoch", "window_ids")
@@ -169,7 +175,7 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., epoch: _Optional[str] = ..., window_ids: _Optional[bytes] = ...) -> None: ...
 
 class InsertItem(_message.Message):
-    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch", "release", "hint", "window_ids")
+    __slots__ = ("lease_id", "namespace", "tokens", "block_ids", "epoch", "release", "hint", "window_ids", "keys", "key_size")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +184,8 @@ class InsertItem(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     HINT_FIELD_NUMBER: _ClassVar[int]
     WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     namespace: str
     tokens: bytes
@@ -186,7 +194,9 @@ class InsertItem(_message.Message):
     release: bool
     hint: RetentionHint
     window_ids: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ..., release: _Optional[bool] = ..., hint: _Optional[_Union[RetentionHint, str]] = ..., window_ids: _Optional[bytes] = ...) -> None: ...
+    keys: bytes
+    key_size: int
+    def __init__(self, lease_id: _Optional[int] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., epoch: _Optional[str] = ..., release: _Optional[bool] = ..., hint: _Optional[_Union[RetentionHint, str]] = ..., window_ids: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("client_id", "items")
@@ -253,7 +263,7 @@ class StatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "cached_blocks", "cached_tokens", "nodes", "requests", "query_tokens", "hit_tokens", "evicted_blocks")
+    __slots__ = ("namespace", "cached_blocks", "cached_tokens", "nodes", "requests", "query_tokens", "hit_tokens", "evicted_blocks", "key_size")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +272,7 @@ class NamespaceStats(_message.Message):
     QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     cached_blocks: int
     cached_tokens: int
@@ -270,7 +281,8 @@ class NamespaceStats(_message.Message):
     query_tokens: int
     hit_tokens: int
     evicted_blocks: int
-    def __init__(self, namespace: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
+    key_size: int
+    def __init__(self, namespace: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence", "window_blocks", "free_window_blocks", "cached_window_blocks")
@@ -337,7 +349,7 @@ class DumpTreeRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., max_depth: _Optional[int] = ..., page_size: _Optional[int] = ..., cursor: _Optional[bytes] = ...) -> None: ...
 
 class TreeNode(_message.Message):
-    __slots__ = ("node_id", "parent_id", "depth_tokens", "tokens", "block_ids", "lock_count", "hits", "last_access", "window_ids", "block_hashes")
+    __slots__ = ("node_id", "parent_id", "depth_tokens", "tokens", "block_ids", "lock_count", "hits", "last_access", "window_ids", "block_hashes", "keys")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +360,7 @@ class TreeNode(_message.Message):
     LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     node_id: int
     parent_id: int
     depth_tokens: int
@@ -358,19 +371,22 @@ class TreeNode(_message.Message):
     last_access: float
     window_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., depth_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lock_count: _Optional[int] = ..., hits: _Optional[int] = ..., last_access: _Optional[float] = ..., window_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    keys: bytes
+    def __init__(self, node_id: _Optional[int] = ..., parent_id: _Optional[int] = ..., depth_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lock_count: _Optional[int] = ..., hits: _Optional[int] = ..., last_access: _Optional[float] = ..., window_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class DumpTreeResponse(_message.Message):
-    __slots__ = ("namespace", "last_sequence", "nodes", "next_cursor")
+    __slots__ = ("namespace", "last_sequence", "nodes", "next_cursor", "key_size")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     last_sequence: int
     nodes: _containers.RepeatedCompositeFieldContainer[TreeNode]
     next_cursor: bytes
-    def __init__(self, namespace: _Optional[str] = ..., last_sequence: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ..., next_cursor: _Optional[bytes] = ...) -> None: ...
+    key_size: int
+    def __init__(self, namespace: _Optional[str] = ..., last_sequence: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[TreeNode, _Mapping]]] = ..., next_cursor: _Optional[bytes] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace",)
@@ -395,18 +411,22 @@ class EventsRequest(_message.Message):
     def __init__(self, from_sequence: _Optional[int] = ..., namespace: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_ids", "parent_block_id", "tokens", "block_hashes", "parent_block_hash")
+    __slots__ = ("block_ids", "parent_block_id", "tokens", "block_hashes", "parent_block_hash", "keys", "key_size")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     parent_block_id: int
     tokens: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ...) -> None: ...
+    keys: bytes
+    key_size: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_ids", "block_hashes")

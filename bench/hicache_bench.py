@@ -1,0 +1,116 @@
+"""radixkv as SGLang's HiCache storage backend: pages per second through SGLang's own
+HiCacheController on CPU, backup (write_storage -> batch_set_v1) and prefetch (prefetch ->
+batch_exists -> batch_get_v1), in 64-page batches; against SGLang's file backend
+(--hicache-storage-backend file, on a temporary directory) through the same controller, and a
+plain memcpy of the same bytes, in the same run.
+
+    .venv/bin/python bench/hicache_bench.py --json      # ~2 min on 2 cores
+
+The controller runs in .venv-sglang (`scripts/bootstrap_sglang` runs first if that venv is
+missing; bench/_hicache_worker.py), with a page_first host pool; radixkv serves a pool of the
+same geometry. Each page size is a model geometry (layers, kv heads, head_dim, fp16, page size
+16 tokens); per backend and page size, one process times ROUNDS batches after one warm-up.
+Rows: op (set/get), page_bytes, radixkv_pages_per_s, file_backend_pages_per_s,
+memcpy_pages_per_s, vs_file_backend and vs_memcpy (radixkv's pages/s over theirs), and GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _common import REPO, emit, radixkv_server
+
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+WORKER = Path(__file__).resolve().parent / "_hicache_worker.py"
+PAGE = 16
+# (layers, kv heads, head_dim): pages of 16 fp16 tokens of 16 KiB, 128 KiB and 1 MiB
+GEOMETRIES = [(2, 2, 64), (8, 4, 64), (16, 8, 128)]
+GOALS = ">= 3x the file backend's pages/s both ways; >= 0.5x memcpy for pages >= 64 KiB"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sglang_python() -> str:
+    """.venv-sglang's python, created by scripts/bootstrap_sglang if it is missing."""
+    if not SGLANG_PYTHON.exists():
+        log("bench: .venv-sglang is missing: running scripts/bootstrap_sglang (a few minutes)")
+        subprocess.run(["bash", str(REPO / "scripts" / "bootstrap_sglang")], check=True)
+    return str(SGLANG_PYTHON)
+
+
+def run_worker(backend: str, geometry: dict[str, Any], batch: int, rounds: int,
+               socket: str | None, env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sglang_python(), str(WORKER), backend, "page_first", json.dumps(geometry),
+           str(batch), str(rounds), *([socket] if socket else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                         env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    if out.returncode:
+        raise SystemExit(f"bench worker ({backend}) failed:\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def model_config(path: Path, layers: int, heads: int, dim: int) -> str:
+    path.write_text(json.dumps({"num_hidden_layers": layers, "num_attention_heads": heads,
+                                "num_key_value_heads": heads, "hidden_size": heads * dim,
+                                "torch_dtype": "float16"}))
+    return str(path)
+
+
+def measure(layers: int, heads: int, dim: int, batch: int, rounds: int) -> list[dict[str, Any]]:
+    geometry = {"layers": layers, "heads": heads, "head_dim": dim, "page_size": PAGE,
+                "dtype": "float16", "host_pages": 2 * batch + 8}
+    with tempfile.TemporaryDirectory(prefix="rkv-hicache-") as d:
+        config = model_config(Path(d) / "config.json", layers, heads, dim)
+        blocks = batch * (rounds + 1) + 8
+        with radixkv_server(d, "--model-config", config, "--dtype", "fp16", "--block-size",
+                            str(PAGE), "--num-blocks", str(blocks)) as socket:
+            rkv = run_worker("radixkv", geometry, batch, rounds, socket, {})
+        files = Path(d) / "files"
+        files.mkdir()
+        fb = run_worker("file", geometry, batch, rounds, None,
+                        {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(files)})
+    page_bytes = rkv["page_bytes"]
+    memcpy = batch / statistics.median(rkv["memcpy_s"])
+    rows = []
+    for op in ("set", "get"):
+        mine = batch / statistics.median(rkv[f"{op}_s"])
+        theirs = batch / statistics.median(fb[f"{op}_s"])
+        rows.append({"op": op, "page_bytes": page_bytes, "batch_pages": batch,
+                     "radixkv_pages_per_s": round(mine, 1),
+                     "file_backend_pages_per_s": round(theirs, 1),
+                     "memcpy_pages_per_s": round(memcpy, 1),
+                     "vs_file_backend": round(mine / theirs, 2),
+                     "vs_memcpy": round(mine / memcpy, 3),
+                     "radixkv_gb_per_s": round(mine * page_bytes / 1e9, 3),
+                     "file_backend_gb_per_s": round(theirs * page_bytes / 1e9, 3)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--batch", type=int, default=64, help="pages per batch (default 64)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed batches per backend and page size (default 5)")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args(argv)
+    rows = []
+    for layers, heads, dim in GEOMETRIES:
+        log(f"bench: {layers} layers x {heads} kv heads x {dim}, page {PAGE} tokens")
+        rows += measure(layers, heads, dim, args.batch, args.rounds)
+    emit("hicache_bench", {"rows": rows, "goals": GOALS}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

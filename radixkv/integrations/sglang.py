@@ -1,0 +1,334 @@
+"""radixkv as SGLang's HiCache storage backend (the "L3" tier behind host memory).
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-mem-layout page_first --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "radixkv",
+            "module_path": "radixkv.integrations.sglang", "class_name": "RadixKVStore",
+            "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
+            "socket": "/run/radixkv.sock"}'
+
+SGLang names a page of KV by a chain hash (64 hex digits: SHA-256 of the page's tokens and the
+hash before it), never by tokens, so pages live in a key-keyed radixkv namespace
+(radixkv.keyed): one key per radixkv block, block_size = SGLang's page size. With
+`hicache_storage_pass_prefix_keys` each call also gets the keys from the sequence start, so a
+call's pages extend the tree path of their prefix wherever SGLang cut its batches; without it a
+call's keys stand alone (a path from the root).
+
+- `batch_exists`: the leading run of keys cached (Match; the lease is released at once).
+- `batch_get_v1`: Match pins the cached run; its blocks are copied from radixkv's mapped pool
+  into SGLang's host pool slots, then the lease is released. A key past a gap is never loaded.
+- `batch_set_v1`: Match, which also allocates blocks for the uncached pages, copy the host pages
+  into them, Insert (which ends the lease): two calls. Pages already cached are not copied
+  again; no room (every block pinned) fails the uncached pages only.
+
+Copies go between SGLang's host pool (`page_first` or `page_first_direct`) and radixkv's
+canonical [layers, 2, block, heads, dim] blocks (layout.HostPages). The namespace names the
+model, TP/PP/DP rank and size, dtype and page size (`namespace` in the extra config replaces
+the model part). `register_mem_pool_host` refuses a host pool whose geometry differs from
+radixkv's pool, naming both.
+
+Failures never leave here as exceptions and never as wrong bytes: a radixkv that is down or
+restarting (link.Link) makes batch_exists 0 and the get/set calls False (SGLang recomputes or
+skips the backup); a copy counts only if its lease is still valid when released afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from radixkv.client import Client
+from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
+from radixkv.integrations.link import Down, LayoutMismatch, Link
+from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
+from radixkv.types import LeaseMatch
+
+log = logging.getLogger("radixkv.integrations.sglang")
+
+T = TypeVar("T")
+_UNSAFE = re.compile(r"[^!-~]")  # namespace names: printable ASCII without spaces
+
+
+class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.config = storage_config
+        self.extra = extra
+        self.target: str | None = extra.get("socket") or os.environ.get("RADIXKV_SOCKET")
+        self.namespace = ""
+        self.pages: HostPages | None = None
+        self.mem_pool_host: Any = None
+        self.stats = {"exists_calls": 0, "exists_hit_pages": 0, "get_pages": 0,
+                      "get_failed_pages": 0, "set_pages": 0, "set_stored_pages": 0,
+                      "set_failed_pages": 0, "unavailable": 0}
+        self._warned_prefix = False
+        self.link = Link(
+            self.target, f"sglang-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            check=self._check, timeout=float(extra.get("timeout", 5.0)),
+            retry_s=float(extra.get("retry_s", 1.0)), what="SGLang HiCache", logger=log)
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take SGLang's host KV pool: its layout must be one HostPages maps and its geometry
+        radixkv's pool's (LayoutMismatch naming both otherwise)."""
+        super().register_mem_pool_host(mem_pool_host)
+        host = mem_pool_host
+        try:
+            self.pages = HostPages(host.layout, host.page_size)
+        except LayoutError as e:
+            raise LayoutMismatch(str(e)) from None
+        if getattr(host, "kv_buffer", None) is None or getattr(host, "v_head_dim",
+                                                                host.head_dim) != host.head_dim:
+            raise LayoutMismatch(f"SGLang host pool {type(host).__name__} is not an MHA pool "
+                                 "with equal K and V head sizes; radixkv stores MHA KV")
+        dtype = TORCH_DTYPES.get(host.dtype)
+        if dtype is None:
+            raise LayoutMismatch(f"SGLang's KV dtype {host.dtype} has no radixkv pool dtype")
+        self.want = (host.layer_num, host.head_num, host.head_dim, dtype, host.page_size)
+        self.namespace = self._namespace(dtype, host.page_size)
+        if self.link.start():  # LayoutMismatch (a refusal) propagates: SGLang does not start
+            log.info("radixkv HiCache backend at %s: namespace %s",
+                     self.target or "the default socket", self.namespace)
+
+    def _namespace(self, dtype: str, page_size: int) -> str:
+        c = self.config
+        model = self.extra.get("namespace") or getattr(c, "model_name", None) or "model"
+        name = (f"sglang:{model}/tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}"
+                f"/dp{getattr(c, 'dp_rank', 0)}/{dtype}/page{page_size}")
+        if getattr(c, "is_mla_model", False):  # one writer for every rank: one namespace
+            name = name.replace(f"tp{c.tp_rank}of{c.tp_size}", "mla")
+        return _UNSAFE.sub("_", name)[:256]
+
+    def _check(self, client: Client) -> None:
+        have = client.pool_info().layout
+        got = (have.num_layers, have.num_kv_heads, have.head_dim, have.dtype, have.block_size)
+        if got != self.want or have.is_quantized or have.is_windowed:
+            layers, heads, dim, dtype, page = self.want
+            raise LayoutMismatch(
+                f"radixkv's pool layout ({have.num_layers} layers, {have.num_kv_heads} kv heads "
+                f"x {have.head_dim}, {have.dtype}, block_size {have.block_size}"
+                f"{', quantized' if have.is_quantized else ''}"
+                f"{', sliding window' if have.is_windowed else ''}) does not fit SGLang's host "
+                f"KV pool ({layers} layers, {heads} kv heads x {dim}, {dtype}, page_size "
+                f"{page}): start radixkv with --dtype {dtype} --block-size {page} and this "
+                "model's config")
+
+    # ---- the v1 zero-copy interface ----------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many of `keys`, from the first, radixkv holds (0 while it is down)."""
+        self.stats["exists_calls"] += 1
+        path, skip = self._path(keys, extra_info)
+        if path is None:
+            return 0
+
+        def run(client: Client) -> int:
+            m = self._match(client, path)
+            client.release(m.lease_id)
+            return max(0, len(m.block_ids) - skip)
+
+        hits = self._call(run, 0)
+        self.stats["exists_hit_pages"] += hits
+        return hits
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Load the leading run of `keys` into the host slots (page_size per key)."""
+        self.stats["get_pages"] += len(keys)
+        path, skip = self._path(keys, extra_info)
+        out = [False] * len(keys)
+        if path is None or self.pages is None:
+            return out
+
+        def run(client: Client) -> int:
+            m = self._match(client, path)
+            try:
+                blocks = m.block_ids[skip:]
+                mapping = client.pool_of(m.epoch)
+                slots = host_indices[:len(blocks) * self.mem_pool_host.page_size]
+                assert self.pages is not None
+                self.pages.from_pool(self.mem_pool_host.kv_buffer, self._starts(slots),
+                                     mapping.view(), blocks)
+            finally:
+                client.release(m.lease_id)  # raises if the lease (and the pin) was lost
+            return len(blocks)
+
+        hits = self._call(run, 0)
+        self.stats["get_failed_pages"] += len(keys) - hits
+        return [True] * hits + out[hits:]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Store the host pages of `keys` (already cached ones are not copied again)."""
+        self.stats["set_pages"] += len(keys)
+        path, skip = self._path(keys, extra_info)
+        if path is None or self.pages is None:
+            return [False] * len(keys)
+
+        def run(client: Client) -> list[bool]:
+            m = self._match(client, path, store=True)
+            have, ids = len(m.block_ids), m.new_block_ids
+            if have < skip or m.alloc_error or not ids:
+                # the prefix is gone (nothing to hang these pages on), no room (the pages
+                # cached already count), or every page is cached
+                client.release(m.lease_id)
+                cached = max(0, have - skip)
+                return [True] * cached + [False] * (len(keys) - cached)
+            page = self.mem_pool_host.page_size
+            slots = host_indices[(have - skip) * page:len(keys) * page]
+            assert self.pages is not None
+            self.pages.to_pool(self.mem_pool_host.kv_buffer, self._starts(slots),
+                               client.pool_of(m.epoch).view(), ids)
+            client.insert_keys(self.namespace, path, m.block_ids + ids, m.lease_id,
+                               epoch=m.epoch, release=True)
+            self.stats["set_stored_pages"] += len(ids)
+            return [True] * len(keys)
+
+        done = self._call(run, [False] * len(keys))
+        self.stats["set_failed_pages"] += done.count(False)
+        return done
+
+    # ---- the generic interface (one page at a time, as flat tensors) -------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        got = self.batch_get([key], [target_location])
+        return got[0] if isinstance(got, list) else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Pages as flat tensors of SGLang's dummy page shape [2, layers, page, heads, dim]
+        (into `target_locations` where given); None from the first miss on."""
+        path, _ = self._path(keys, None)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        if path is None:
+            return out
+
+        def run(client: Client) -> bool:
+            m = self._match(client, path)
+            try:
+                view = client.pool_of(m.epoch).view()
+                for i, b in enumerate(m.block_ids):
+                    page = view[b].transpose(0, 1).flatten()  # [2, layers, page, heads, dim]
+                    if target_locations is not None and target_locations[i] is not None:
+                        target_locations[i].copy_(page)
+                        out[i] = target_locations[i]
+                    else:
+                        out[i] = page.clone()
+            finally:
+                client.release(m.lease_id)
+            return True
+
+        return out if self._call(run, False) else [None] * len(keys)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store flat pages in SGLang's dummy page shape [2, layers, page, heads, dim]."""
+        path, _ = self._path(keys, None)
+        if path is None or values is None or len(values) != len(keys):
+            return False
+
+        def run(client: Client) -> bool:
+            m = self._match(client, path, store=True)
+            if m.alloc_error:
+                client.release(m.lease_id)
+                return False
+            view = client.pool_of(m.epoch).view()
+            layers, heads, dim, _, page = self.want
+            for b, value in zip(m.new_block_ids, values[len(m.block_ids):], strict=True):
+                view[b] = value.reshape(2, layers, page, heads, dim).transpose(0, 1)
+            client.insert_keys(self.namespace, path, m.block_ids + m.new_block_ids,
+                               m.lease_id, epoch=m.epoch, release=True)
+            return True
+
+        return self._call(run, False)
+
+    # ---- the rest ----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop this namespace's pages from radixkv (refused there while any is in use)."""
+        self._call(lambda c: c.clear(self.namespace), 0)
+
+    def get_stats(self) -> dict[str, int]:
+        return {**self.stats, "link_failures": self.link.failures}
+
+    def close(self) -> None:
+        self.link.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _path(self, keys: Sequence[str], extra_info: Any) -> tuple[list[bytes] | None, int]:
+        """The key path from the sequence start (prefix keys, then `keys`) as bytes, and where
+        `keys` start in it; (None, 0), logged, for a key that is not hex of 8..64 bytes."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        if prefix is None and not self._warned_prefix and extra_info is not None:
+            self._warned_prefix = True
+            log.warning("radixkv: SGLang passes no prefix keys; set "
+                        "\"hicache_storage_pass_prefix_keys\": true in the extra config so "
+                        "that pages stored in separate calls form one path")
+        try:
+            path = [bytes.fromhex(k) for k in (*(prefix or ()), *keys)]
+        except (ValueError, TypeError) as e:
+            log.error("radixkv: SGLang gave a page key that is not hex (%s): %s", e,
+                      next((k for k in keys if not _is_hex(k)), "?"))
+            return None, 0
+        bad = next((k for k in path if len(k) != len(path[0]) or len(k) % 4
+                    or not MIN_KEY_SIZE <= len(k) <= MAX_KEY_SIZE), None)
+        if not path or bad is not None:
+            log.error("radixkv: page keys must be hex of %d..%d bytes (a multiple of 4), all of "
+                      "one size; got %d bytes", MIN_KEY_SIZE, MAX_KEY_SIZE,
+                      len(bad) if bad is not None else 0)
+            return None, 0
+        return path, len(prefix or ())
+
+    def _match(self, client: Client, path: list[bytes], store: bool = False) -> LeaseMatch:
+        """Match `path` in the namespace. If radixkv restarted since its layout was checked,
+        the new pool's layout is checked first (LayoutMismatch, after releasing, if it no
+        longer fits: the link then refuses)."""
+        m = client.match_keys(self.namespace, path, store=store)
+        if self.link.note_epoch(m.epoch):
+            try:
+                self._check(client)
+            except BaseException:
+                client.release(m.lease_id)
+                raise
+            self.link.confirm_epoch(m.epoch)
+        return m
+
+    def _starts(self, slots: torch.Tensor) -> torch.Tensor:
+        """The first slot of each page in `slots`."""
+        return slots[::self.mem_pool_host.page_size].to(torch.long)
+
+    def _call(self, fn: Callable[[Client], T], failed: T) -> T:
+        """`fn` through the link; `failed` when radixkv is unusable or the call fails."""
+        try:
+            return self.link.call(fn)
+        except Down:
+            self.stats["unavailable"] += 1
+            return failed
+        except Exception as e:  # noqa: BLE001 - never raise into SGLang's I/O threads
+            log.error("radixkv: %s: %s", type(e).__name__, e)
+            return failed
+
+
+def _is_hex(key: Any) -> bool:
+    try:
+        bytes.fromhex(key)
+        return True
+    except (ValueError, TypeError):
+        return False

@@ -1,0 +1,136 @@
+"""One SGLang "worker" for tests/test_sglang.py, run by .venv-sglang/bin/python: SGLang's real
+HiCacheController(s) on CPU (tests/_sglang_harness.py) with radixkv (or SGLang's file backend)
+as the storage backend, driven by JSON commands, one per stdin line, one JSON answer per line.
+
+    {"op": "open", "name": "a", "layout": "page_first", "socket": "...", "tp_rank": 0, ...}
+    {"op": "write", "name": "a", "tokens": [...], "seed": 1}   -> pages stored, page digests
+    {"op": "prefetch", "name": "a", "tokens": [...]}           -> hit / loaded tokens, digests
+    {"op": "exists" | "get" | "set", ...}                      -> the backend called directly
+    {"op": "errors"}                       -> errors SGLang's threads logged since the last ask
+
+Every answer also reports whether an exception escaped (it must not)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import threading
+import traceback
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _sglang_harness as h  # noqa: E402
+import torch  # noqa: E402
+
+ERRORS: list[str] = []  # records at ERROR from SGLang's and radixkv's loggers, thread crashes
+
+
+class Collect(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        ERRORS.append(f"{record.name}: {record.getMessage()}")
+
+
+def hook(args: Any) -> None:
+    ERRORS.append(f"thread {args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
+
+
+def digests(cc: Any, slots: torch.Tensor | None) -> list[str]:
+    if slots is None:
+        return []
+    return [hashlib.sha256(b).hexdigest()[:16] for b in h.page_bytes(cc, slots)]
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.cc: dict[str, Any] = {}
+
+    def open(self, name: str, layout: str = "page_first", backend: str = "radixkv",
+             socket: str | None = None, tp_rank: int = 0, tp_size: int = 1,
+             geometry: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+             model: str = "tiny", prefix_keys: bool = True,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
+        """A controller `name`; `env`: variables set while SGLang creates its backend (its
+        failure injector reads SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE then)."""
+        g = h.Geometry(**{k: getattr(torch, v) if k == "dtype" else v
+                          for k, v in (geometry or {}).items()})
+        h.set_rank(tp_rank, tp_size)
+        config: dict[str, Any] = dict(extra or {})
+        if backend == "radixkv":
+            config.update(backend_name="radixkv", module_path="radixkv.integrations.sglang",
+                          class_name="RadixKVStore", interface_v1=1, socket=socket,
+                          hicache_storage_pass_prefix_keys=prefix_keys)
+            backend = "dynamic"
+        os.environ.update(env or {})
+        try:
+            self.cc[name] = h.controller(g, layout, backend, config, model)
+        except Exception as e:  # noqa: BLE001 - the refusal is the answer
+            return {"refused": f"{type(e).__name__}: {e}"}
+        finally:
+            for var in env or {}:
+                del os.environ[var]
+        store = self.cc[name].storage_backend
+        return {"namespace": getattr(store, "namespace", None)}
+
+    def write(self, name: str, tokens: list[int], seed: int = 0,
+              prefix: bool = True) -> dict[str, Any]:
+        cc = self.cc[name]
+        slots = cc.mem_pool_host.alloc(len(tokens))
+        h.fill(cc, slots, seed)
+        stored = h.write(cc, slots, tokens, [] if prefix else None)
+        out = {"stored": stored, "pages": digests(cc, slots)}
+        cc.mem_pool_host.free(slots)
+        return out
+
+    def prefetch(self, name: str, tokens: list[int], rid: str = "r") -> dict[str, Any]:
+        cc = self.cc[name]
+        hit, loaded, slots = h.prefetch(cc, rid, tokens)
+        out = {"hit": hit, "loaded": loaded,
+               "pages": digests(cc, None if slots is None else slots[:loaded])}
+        if slots is not None:
+            cc.mem_pool_host.free(slots)
+        return out
+
+    def backend(self, name: str) -> Any:
+        store = self.cc[name].storage_backend
+        return getattr(store, "_backend", store)  # under SGLang's failure injector: the real one
+
+    def exists(self, name: str, keys: list[str], prefix: list[str] | None = None) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+        info = HiCacheStorageExtraInfo(prefix_keys=prefix)
+        return {"exists": self.backend(name).batch_exists(keys, info)}
+
+    def keys(self, name: str, tokens: list[int]) -> dict[str, Any]:
+        return {"keys": h.page_keys(tokens, self.cc[name].page_size)}
+
+    def stats(self, name: str) -> dict[str, Any]:
+        return {"stats": self.backend(name).get_stats()}
+
+    def errors(self) -> dict[str, Any]:
+        """The errors logged since the last ask."""
+        out = list(ERRORS)
+        ERRORS.clear()
+        return {"errors": out}
+
+
+def main() -> None:
+    logging.getLogger().addHandler(Collect(level=logging.ERROR))
+    threading.excepthook = hook
+    worker = Worker()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            answer = getattr(worker, op)(**cmd)
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+            answer = {"exception": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()

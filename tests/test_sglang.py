@@ -1,0 +1,282 @@
+"""radixkv as SGLang's HiCache storage backend, with SGLang's real HiCacheController (CPU, host
+pool, stand-in device allocator) in worker processes run by .venv-sglang's python
+(scripts/bootstrap_sglang; tests/_sglang_worker.py) against a real radixkv server. The workers
+start once for the module (SGLang imports take a while) and open controllers per test; radixkv
+servers come and go per test, each on its own socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _server import running_server, tiny_config_path
+
+from radixkv.client import Client
+from radixkv.server.launch import start_server
+
+REPO = Path(__file__).resolve().parents[1]
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+PAGE = 4  # tokens per page: the tiny radixkv layout's block_size (tests/_server.py)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Worker:
+    """A tests/_sglang_worker.py process: send a command, read its answer."""
+
+    def __init__(self, log: Path) -> None:
+        if not SGLANG_PYTHON.exists():
+            pytest.fail(f"{SGLANG_PYTHON} is missing: run `bash scripts/bootstrap_sglang` "
+                        "(`bash scripts/bootstrap` runs it)")
+        self.log = log
+        self.proc = subprocess.Popen(
+            [str(SGLANG_PYTHON), str(REPO / "tests" / "_sglang_worker.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),  # noqa: SIM115
+            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.lock = threading.Lock()
+
+    def ready(self) -> None:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        assert line, f"worker did not start:\n{self.log.read_text()[-3000:]}"
+
+    def __call__(self, op: str, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin and self.proc.stdout
+        with self.lock:
+            self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        assert line, f"worker died:\n{self.log.read_text()[-3000:]}"
+        answer: dict[str, Any] = json.loads(line)
+        assert "exception" not in answer, answer.get("trace")
+        return answer
+
+    def stop(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # SGLang's storage threads may hold it: no state
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[dict[str, Worker]]:
+    """Two workers, importing SGLang side by side."""
+    with tempfile.TemporaryDirectory(prefix="rkv-sgl-") as d:
+        ws = {"A": Worker(Path(d) / "a.log"), "B": Worker(Path(d) / "b.log")}
+        try:
+            for w in ws.values():
+                w.ready()
+            yield ws
+        finally:
+            for w in ws.values():
+                if w.proc.stdin:
+                    w.proc.stdin.close()  # both start exiting at once
+            for w in ws.values():
+                w.stop()
+
+
+def tokens(start: int, pages: int) -> list[int]:
+    return list(range(start, start + pages * PAGE))
+
+
+def no_errors(*ws: Worker) -> None:
+    for w in ws:
+        assert w("errors")["errors"] == []
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_two_workers_share_a_prefix(workers: dict[str, Worker], layout: str) -> None:
+    a, b = workers["A"], workers["B"]
+    with running_server(num_blocks=64) as server:
+        ns = a("open", name=layout, layout=layout, socket=server.socket)["namespace"]
+        assert ns == b("open", name=layout, layout=layout, socket=server.socket)["namespace"]
+        shared = tokens(1000, 5)
+        wrote = a("write", name=layout, tokens=shared, seed=7)
+        assert wrote["stored"] == len(shared)
+        longer = shared + tokens(5000, 3)
+        got = b("prefetch", name=layout, tokens=longer)
+        assert got["hit"] == got["loaded"] == len(shared)  # exactly A's pages
+        assert got["pages"] == wrote["pages"]  # bytes equal to A's, in B's host slots
+        with Client(server.socket) as kv:
+            s = kv.stats(check_integrity=True)
+            assert s["integrity"] == "ok" and s["live_leases"] == 0
+            (n,) = s["namespaces"]
+            assert n["namespace"] == ns and n["key_size"] == 32 and n["cached_blocks"] == 5
+    no_errors(a, b)
+
+
+def test_leading_run_stops_at_an_evicted_middle_page(workers: dict[str, Worker]) -> None:
+    a, b = workers["A"], workers["B"]
+    with running_server(num_blocks=16) as server:
+        a("open", name="gap", socket=server.socket)
+        b("open", name="gap", socket=server.socket)
+        seq = tokens(2000, 4)
+        a("write", name="gap", tokens=seq, seed=3)
+        keys = a("keys", name="gap", tokens=seq)["keys"]
+        # a chain whose third page is missing: only pages 0 and 1 count, page 3 is never read
+        assert b("exists", name="gap", keys=keys[:2] + [keys[3]] + [keys[2]])["exists"] == 2
+        assert b("exists", name="gap", keys=keys[2:], prefix=keys[:2])["exists"] == 2
+        with Client(server.socket) as kv:  # evict the tail: a clear, then pages 0-1 again
+            kv.clear(next(n["namespace"] for n in kv.stats()["namespaces"]))
+        a("write", name="gap", tokens=seq[:2 * PAGE], seed=3)
+        got = b("prefetch", name="gap", tokens=seq)
+        assert got["hit"] == got["loaded"] == 2 * PAGE
+    no_errors(a, b)
+
+
+def test_eviction_under_a_small_pool(workers: dict[str, Worker]) -> None:
+    a, b = workers["A"], workers["B"]
+    with running_server(num_blocks=12) as server:
+        a("open", name="small", socket=server.socket)
+        b("open", name="small", socket=server.socket)
+        written = {}
+        for i in range(10):  # 40 pages through a 12-block pool
+            seq = tokens(10_000 + 100 * i, 4)
+            written[i] = a("write", name="small", tokens=seq, seed=i)
+            assert written[i]["stored"] == len(seq)
+        for i in (9, 8):
+            got = b("prefetch", name="small", tokens=tokens(10_000 + 100 * i, 4))
+            assert got["loaded"] == got["hit"]
+            assert got["pages"] == written[i]["pages"][:got["loaded"] // PAGE]
+        assert b("prefetch", name="small", tokens=tokens(10_000 + 900, 4))["loaded"] == 16
+        with Client(server.socket) as kv:
+            s = kv.stats(check_integrity=True)
+            assert s["integrity"] == "ok" and s["evicted_blocks"] >= 28
+    no_errors(a, b)
+
+
+def test_tp_ranks_never_share(workers: dict[str, Worker]) -> None:
+    a, b = workers["A"], workers["B"]
+    with running_server(num_blocks=32) as server:
+        ns0 = a("open", name="tp0", socket=server.socket, tp_rank=0, tp_size=2)["namespace"]
+        ns1 = b("open", name="tp1", socket=server.socket, tp_rank=1, tp_size=2)["namespace"]
+        assert ns0 != ns1 and "tp0of2" in ns0 and "tp1of2" in ns1
+        seq = tokens(3000, 3)
+        a("write", name="tp0", tokens=seq, seed=1)
+        assert b("prefetch", name="tp1", tokens=seq)["hit"] == 0
+        b("write", name="tp1", tokens=seq, seed=2)
+        mine = a("prefetch", name="tp0", tokens=seq)
+        theirs = b("prefetch", name="tp1", tokens=seq)
+        assert mine["loaded"] == theirs["loaded"] == len(seq)
+        assert mine["pages"] != theirs["pages"]  # each rank reads its own bytes
+        a("open", name="tp", socket=server.socket)  # leave rank 0 of 1 for the tests after
+        b("open", name="tp", socket=server.socket)
+    no_errors(a, b)
+
+
+def test_bad_input(workers: dict[str, Worker]) -> None:
+    a = workers["A"]
+    with running_server(num_blocks=16) as server:
+        refused = a("open", name="bad", socket=server.socket,
+                    geometry={"head_dim": 16})["refused"]
+        assert "radixkv's pool layout (2 layers, 2 kv heads x 8, fp32, block_size 4)" in refused
+        assert "SGLang's host KV pool (2 layers, 2 kv heads x 16, fp32, page_size 4)" in refused
+        refused = a("open", name="bad", socket=server.socket, layout="layer_first")["refused"]
+        assert "layout 'layer_first' is not supported" in refused
+        a("open", name="ok", socket=server.socket)
+        assert a("exists", name="ok", keys=["ab" * 31])["exists"] == 0  # 31 bytes: refused
+        assert a("exists", name="ok", keys=["not hex"])["exists"] == 0
+        errors = a("errors")["errors"]
+        assert any("hex of 8..64 bytes (a multiple of 4), all of one size; got 31 bytes" in e
+                   for e in errors), errors
+        assert any("not hex" in e for e in errors), errors
+
+
+def test_radixkv_down_then_back(workers: dict[str, Worker]) -> None:
+    """No radixkv: misses, no exception out of SGLang's threads; once it is up, hits."""
+    b = workers["B"]
+    with tempfile.TemporaryDirectory(prefix="rkv-") as d:
+        sock = os.path.join(d, "s.sock")
+        b("open", name="down", socket=sock, extra={"retry_s": 0.2})
+        seq = tokens(4000, 3)
+        assert b("write", name="down", tokens=seq, seed=1)["stored"] == 0
+        assert b("prefetch", name="down", tokens=seq)["hit"] == 0
+        with running_server(num_blocks=16, socket_path=sock):
+            time.sleep(0.3)
+            assert b("write", name="down", tokens=seq, seed=1)["stored"] == len(seq)
+            assert b("prefetch", name="down", tokens=seq)["loaded"] == len(seq)
+    no_errors(b)
+
+
+def test_sglang_failure_injector(workers: dict[str, Worker]) -> None:
+    """SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE=0.3 on B's backend: whatever fails, a load
+    gives only pages A wrote, byte for byte, and nothing raises."""
+    a, f = workers["A"], workers["B"]
+    with running_server(num_blocks=128) as server:
+        a("open", name="inj", socket=server.socket)
+        f("open", name="inj", socket=server.socket,
+          env={"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3"})
+        for i in range(12):
+            seq = tokens(20_000 + 100 * i, 4)
+            wrote = a("write", name="inj", tokens=seq, seed=i)
+            got = f("prefetch", name="inj", tokens=seq, rid=f"r{i}")
+            assert got["loaded"] <= got["hit"] <= len(seq)
+            assert got["pages"] == wrote["pages"][:got["loaded"] // PAGE]
+            f("write", name="inj", tokens=tokens(50_000 + 100 * i, 4), seed=i)
+        with Client(server.socket) as kv:
+            assert kv.stats(check_integrity=True)["integrity"] == "ok"
+    assert f("stats", name="inj")["stats"]["link_failures"] == 0  # radixkv itself never failed
+    errors = [e for e in f("errors")["errors"] if "radixkv" in e]
+    assert errors == []
+
+
+def test_radixkv_killed_mid_prefetch(workers: dict[str, Worker]) -> None:
+    """SIGKILL radixkv while B prefetches in a loop: every answer is a miss or A's bytes, and
+    nothing raises; a radixkv restarted on the socket serves again (and its start reclaims the
+    killed one's shared memory)."""
+    a, b = workers["A"], workers["B"]
+    with tempfile.TemporaryDirectory(prefix="rkv-") as d:
+        sock = os.path.join(d, "s.sock")
+        seq = tokens(30_000, 16)
+        server = start_server(sock, "--model-config", tiny_config_path(d), "--block-size",
+                              str(PAGE), "--num-blocks", "64")
+        try:
+            with Client(sock) as kv:
+                shm = "/dev/shm/" + kv.pool_info().handle.name.lstrip("/")
+            a("open", name="kill", socket=sock)
+            b("open", name="kill", socket=sock, extra={"retry_s": 0.2})
+            wrote = a("write", name="kill", tokens=seq, seed=5)
+            results: list[dict[str, Any]] = []
+            killed = threading.Event()
+
+            def loop() -> None:
+                after = 0
+                for i in range(200):
+                    results.append(b("prefetch", name="kill", tokens=seq, rid=f"k{i}"))
+                    after += killed.is_set()
+                    if after > 3:
+                        return
+
+            t = threading.Thread(target=loop)
+            t.start()
+            while not results:
+                time.sleep(0.01)
+            server.stop(signal.SIGKILL)
+            killed.set()
+            t.join(timeout=120)
+            assert not t.is_alive()
+        finally:
+            server.stop(signal.SIGKILL)
+        for got in results:
+            assert got["loaded"] <= got["hit"]
+            assert got["pages"] == wrote["pages"][:got["loaded"] // PAGE]
+        assert results[0]["loaded"] == len(seq) and results[-1]["hit"] == 0
+        with running_server(num_blocks=64, socket_path=sock):
+            assert not os.path.exists(shm)  # the restart reclaimed the killed pool
+            time.sleep(0.3)  # past B's retry_s
+            assert b("prefetch", name="kill", tokens=seq)["hit"] == 0  # a new, empty pool
+            wrote = a("write", name="kill", tokens=seq, seed=6)
+            got = b("prefetch", name="kill", tokens=seq)
+            assert got["loaded"] == len(seq) and got["pages"] == wrote["pages"]
+    no_errors(a, b)
