@@ -108,7 +108,10 @@ class Worker:
         return {"keys": h.page_keys(tokens, self.cc[name].page_size)}
 
     def stats(self, name: str) -> dict[str, Any]:
-        return {"stats": self.backend(name).get_stats()}
+        backend = self.backend(name)
+        metrics = backend.get_stats()  # SGLang's StorageMetrics, per batch since last asked
+        return {"stats": backend.counters(), "prefetch_pgs": metrics.prefetch_pgs,
+                "backup_pgs": metrics.backup_pgs}
 
     def errors(self) -> dict[str, Any]:
         """The errors logged since the last ask."""

@@ -226,7 +226,10 @@ def test_sglang_failure_injector(workers: dict[str, Worker]) -> None:
             f("write", name="inj", tokens=tokens(50_000 + 100 * i, 4), seed=i)
         with Client(server.socket) as kv:
             assert kv.stats(check_integrity=True)["integrity"] == "ok"
-    assert f("stats", name="inj")["stats"]["link_failures"] == 0  # radixkv itself never failed
+    stats = f("stats", name="inj")
+    assert stats["stats"]["link_failures"] == 0  # radixkv itself never failed
+    assert sum(stats["prefetch_pgs"]) == stats["stats"]["get_pages"] - \
+        stats["stats"]["get_failed_pages"]  # SGLang's storage metrics count the loads
     errors = [e for e in f("errors")["errors"] if "radixkv" in e]
     assert errors == []
 

@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import socket
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -70,6 +71,10 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                       "get_failed_pages": 0, "set_pages": 0, "set_stored_pages": 0,
                       "set_failed_pages": 0, "unavailable": 0}
         self._warned_prefix = False
+        # per batch since the last get_stats, as SGLang's storage metrics take them
+        self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
+                                                 "prefetch_bandwidth": [],
+                                                 "backup_bandwidth": []}
         self.link = Link(
             self.target, f"sglang-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
             check=self._check, timeout=float(extra.get("timeout", 5.0)),
@@ -162,7 +167,9 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                 client.release(m.lease_id)  # raises if the lease (and the pin) was lost
             return len(blocks)
 
+        start = time.perf_counter()
         hits = self._call(run, 0)
+        self._record("prefetch", hits, time.perf_counter() - start)
         self.stats["get_failed_pages"] += len(keys) - hits
         return [True] * hits + out[hits:]
 
@@ -193,7 +200,9 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             self.stats["set_stored_pages"] += len(ids)
             return [True] * len(keys)
 
+        start = time.perf_counter()
         done = self._call(run, [False] * len(keys))
+        self._record("backup", done.count(True), time.perf_counter() - start)
         self.stats["set_failed_pages"] += done.count(False)
         return done
 
@@ -264,7 +273,20 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         """Drop this namespace's pages from radixkv (refused there while any is in use)."""
         self._call(lambda c: c.clear(self.namespace), 0)
 
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics (pages and GB/s per batch since the last call), as its
+        --enable-cache-report storage metrics read them; `counters` has radixkv's own."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        for name, values in self._metrics.items():
+            getattr(metrics, name).extend(values)
+            values.clear()
+        return metrics
+
+    def counters(self) -> dict[str, int]:
+        """Pages asked, stored, loaded and failed, calls while radixkv was unusable, link
+        failures: since start."""
         return {**self.stats, "link_failures": self.link.failures}
 
     def close(self) -> None:
@@ -309,6 +331,12 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                 raise
             self.link.confirm_epoch(m.epoch)
         return m
+
+    def _record(self, what: str, pages: int, seconds: float) -> None:
+        if pages and self.pages is not None:
+            page_bytes = self.mem_pool_host.get_size_per_token() * self.pages.page_size
+            self._metrics[f"{what}_pgs"].append(pages)
+            self._metrics[f"{what}_bandwidth"].append(pages * page_bytes / seconds / 1e9)
 
     def _starts(self, slots: torch.Tensor) -> torch.Tensor:
         """The first slot of each page in `slots`."""
