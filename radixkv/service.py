@@ -344,9 +344,11 @@ class KVService:
                 raise NotFound(f"namespace {namespace!r} does not exist (known: "
                                f"{', '.join(self._namespaces.names()) or 'none'})")
             ns = self._namespaces[namespace]
-            if len(cursor) % (ns.key_size or block_bytes(self.block_size)):
+            unit, what = ((ns.key_size, f"{ns.key_size}-byte keys") if ns.key_size else
+                          (block_bytes(self.block_size), f"{self.block_size}-token blocks"))
+            if len(cursor) % unit:
                 raise InvalidArgument(f"cursor of {len(cursor)} bytes is not a path of whole "
-                                      "blocks: pass a next_cursor back")
+                                      f"{what}: pass a next_cursor back")
             nodes, after = page(ns.tree.root, self.block_size, cursor, page_size, max_depth,
                                 self.events.block_hashes(namespace))
             return DumpPage(tuple(ns.shown(nodes)), self.events.last_sequence, after)
