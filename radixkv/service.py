@@ -30,12 +30,14 @@ All public methods take one lock: the tree and pool are not thread-safe, and the
 is microseconds, so finer locking would not pay on CPython.
 
 Its parts: input checks (validation), the lease table (lease_table), the namespaces and their
-kind, full attention or sliding window (namespaces, kinds), making room (reclaim).
+kind, full attention or sliding window (namespaces, kinds), making room (reclaim), the tier
+below the pool if any (tiers; the disk tier: radixkv/disk/).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections import deque
@@ -51,11 +53,12 @@ from radixkv.errors import (
 from radixkv.events import EventLog
 from radixkv.index.policies import policy_factory
 from radixkv.index.results import InsertResult, MatchResult, NodeView
-from radixkv.kinds import kind_of
+from radixkv.kinds import Namespace, kind_of
 from radixkv.lease_table import Lease, LeaseTable
 from radixkv.namespaces import Namespaces
 from radixkv.reclaim import Reclaimer
 from radixkv.service_config import ServiceConfig
+from radixkv.tiers import NoTier
 from radixkv.tokens import num_tokens
 from radixkv.types import Allocation, LeaseMatch, ServiceStats
 from radixkv.validation import InputChecks, check_namespace, hint_codes
@@ -69,8 +72,10 @@ class KVService:
         pool: BlockPool,
         config: ServiceConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tier: NoTier | None = None,
     ) -> None:
         self.pool = pool
+        self._tier = tier or NoTier()  # below the pool: radixkv/tiers.py
         self.config = config or ServiceConfig()
         self.block_size = pool.layout.block_size
         self.events = EventLog(self.block_size, self.config.event_buffer)
@@ -84,7 +89,8 @@ class KVService:
             self.kind, self.block_size, pool.layout.window_blocks,
             policy_factory(self.config.policy, pool.num_full_blocks), self.config.max_namespaces)
         self._leases = LeaseTable(clock, self.config, pool.is_free, self._release_lease)
-        self._reclaim = Reclaimer(pool, self._namespaces, self._leases, self.events)
+        self._reclaim = Reclaimer(pool, self._namespaces, self._leases, self.events,
+                                  self._tier)
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
 
     def pool_handle(self) -> PoolHandle:
@@ -126,6 +132,8 @@ class KVService:
                 ns = self._namespaces.open(namespace)
                 lease = self._leases.open(owner, ns.name, ttl)
                 ns.num_leases += 1
+                self._tier.promote(ns, tokens, functools.partial(self._make_room, ns),
+                                   self._publish)
                 m = ns.match(lease, tokens)
                 self._recent.append((num_tokens(tokens), m.num_tokens))
                 out.append(ns.answer(lease.lease_id, m, epoch))
@@ -252,6 +260,7 @@ class KVService:
             if ns is None:
                 raise NotFound(f"namespace {namespace!r} does not exist")
             freed = ns.evict_all()
+            self._tier.cleared(ns.name, freed)
             self.pool.free(freed)
             self._namespaces.drop(ns)
             self.events.publish_cleared(namespace)
@@ -288,6 +297,7 @@ class KVService:
                 window_blocks=pool.num_window_blocks,
                 free_window_blocks=pool.num_free_window,
                 cached_window_blocks=sum(ns.num_window_blocks for ns in self._namespaces),
+                disk=self._tier.stats(),
             )
 
     def dump_tree(self, namespace: str, max_depth: int = 0) -> tuple[list[NodeView], int]:
@@ -323,8 +333,21 @@ class KVService:
                 raise IntegrityError("per-client or per-namespace lease counts are off")
             if any(name not in self._namespaces for name in by_ns):
                 raise IntegrityError("a live lease names a namespace that was dropped")
+            self._tier.check_integrity(sum(ns.tree.num_cached_blocks for ns in self._namespaces))
+
+    def close_tier(self, write_down: bool) -> None:
+        """Stop the tier below the pool (with `write_down`, after writing the pool's cached
+        blocks to it: a clean stop); the service takes no more calls after this."""
+        with self._lock:
+            self._tier.close(write_down)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _make_room(self, ns: Namespace, num_blocks: int, sinks: int) -> int:
+        return self._reclaim.make_room(num_blocks, keep=ns, sinks=sinks)
+
+    def _publish(self, namespace: str) -> None:
+        self.events.publish(namespace, self._namespaces[namespace].tree.take_events())
 
     def _release_lease(self, lease: Lease, hint: int) -> int:
         """What ending a lease does outside the table: the hint on what it pinned, its pins
@@ -342,6 +365,7 @@ class KVService:
         ns = self._namespaces[lease.namespace]
         self._leases.touch(lease)
         result = ns.insert(lease, tokens, block_ids, hint, window_ids, pin)
+        self._tier.inserted(ns.name, tokens, block_ids, result)
         if result.duplicates:
             self.pool.free(list(result.duplicates))
         self.events.publish(ns.name, ns.tree.take_events())

@@ -1,0 +1,320 @@
+"""The disk tier below the pool: write-back demotion, promotion inside Match, warm restart.
+
+    pool (memory tier) --evicted by the pool's policy--> demote --> disk slot (write-back)
+    disk slot --a Match whose prefix continues there--> promote --> pool blocks in the tree
+    disk slot --the disk tier is full--> dropped (least recently demoted first: disk/index.py)
+
+Every cached block is in exactly one tier: in a namespace's tree (memory) or in the disk index
+(disk), never both; `check_integrity` proves it with the pool's free / leased / cached count.
+
+Demote copies the block's bytes out of the pool (a memcpy, under the service lock) and queues
+the write: a writer thread computes the CRC and writes batches of slots with os.pwritev, off
+the service lock. Until its write is done a demoted block is served from that copy, so it is
+hittable from the moment it leaves the pool.
+
+Promote (the contract): a Match whose prompt continues past the pool's cached prefix into
+blocks on disk brings up to `promote_blocks` of them into pool blocks (evicting, so demoting,
+as an Allocate would), checks each slot's CRC, inserts them in the tree and only then matches;
+the lease pins them like any hit, so an engine never reads a block whose promotion has not
+completed. A slot that fails its check is dropped and counted (`verify_failures`): the Match
+stops there, a miss, never wrong KV. Reads are os.preadv straight into the pool block, under
+the service lock (one Match's blocks, in order).
+
+Warm restart: `close(write_down=True)` (SIGTERM) writes every cached pool block to a slot and
+fsyncs; the next start on the same directory scans the slot headers (`meta_crc`, the chain
+hash recomputed from the parent's hash and the tokens, the generation) and rebuilds the index,
+so the first Match of a prompt promotes it. After a crash the same scan runs: a torn slot fails
+a check and is dropped; a complete one is served only after its full CRC verifies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_pool.base import BlockPool
+from radixkv.disk.index import DiskIndex, Entry, Key
+from radixkv.disk.slots import FILE_NAME, ZERO_HASH, SlotFile, SlotMeta, chain_hash
+from radixkv.errors import IntegrityError, OutOfBlocks
+from radixkv.index.results import InsertResult
+from radixkv.kinds import Namespace
+from radixkv.tiers import MakeRoom, NoTier, Publish
+from radixkv.tokens import block_bytes
+from radixkv.types import DiskStats
+
+log = logging.getLogger("radixkv.disk")
+
+WRITE_BATCH = 64  # slots per writer pass
+MAX_PENDING = 1024  # queued demotions before a demotion waits for the writer
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """What the tier knows of a pool block: enough to write its slot."""
+
+    namespace: str
+    hash: bytes
+    parent: bytes
+    position: int
+    tokens: bytes
+
+
+class DiskTier(NoTier):
+    def __init__(self, pool: BlockPool, directory: str, capacity_blocks: int,
+                 promote_blocks: int = 1 << 20) -> None:
+        self.pool = pool
+        self.block_size = pool.layout.block_size
+        self._bb = block_bytes(self.block_size)
+        self.promote_blocks = promote_blocks
+        self.file = SlotFile(os.path.join(directory, FILE_NAME), pool.layout, capacity_blocks)
+        self.index = DiskIndex(capacity_blocks)
+        self._mem: dict[int, BlockKey] = {}  # pool block id -> its key (cached blocks)
+        self._seq = 0
+        self._counts = dict(hit_tokens=0, promoted_blocks=0, demoted_blocks=0,
+                            evicted_blocks=0, verify_failures=0, loaded_blocks=0,
+                            dropped_at_load=0)
+        self._load()
+        self._queue: deque[Entry] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- start: rebuild the index from the slots ------------------------------------------
+
+    def _load(self) -> None:
+        found: dict[Key, tuple[int, SlotMeta]] = {}
+        dropped = 0
+        for slot, meta in self.file.scan():
+            if meta is None:
+                dropped += self._was_written(slot)
+                continue
+            if chain_hash(meta.parent, meta.namespace, meta.tokens) != meta.hash:
+                dropped += 1
+                continue
+            key = (meta.namespace, meta.hash)
+            old = found.get(key)
+            if old is None or (old[1].generation, old[1].seq) < (meta.generation, meta.seq):
+                found[key] = (slot, meta)
+        self.index.load(sorted(found.values(), key=lambda f: (f[1].generation, f[1].seq)))
+        self._counts["loaded_blocks"] = len(found)
+        self._counts["dropped_at_load"] = dropped
+        if found or dropped:
+            log.info("disk tier %s: %d blocks loaded, %d slots dropped (torn or not verifying)",
+                     self.file.path, len(found), dropped)
+
+    def _was_written(self, slot: int) -> int:
+        """1 if an unreadable slot holds anything (a torn or corrupt write), 0 if empty."""
+        head = os.pread(self.file.fd, 64, self.file.offset(slot))
+        return int(bool(head.strip(b"\0")))
+
+    # ---- the hooks ------------------------------------------------------------------------
+
+    def inserted(self, namespace: str, tokens: bytes, block_ids: Sequence[int],
+                 result: InsertResult) -> None:
+        if not result.adopted:
+            return
+        first = result.num_cached_tokens // self.block_size
+        parent = ZERO_HASH
+        if first:
+            known = self._mem.get(block_ids[first - 1])
+            parent = known.hash if known is not None else self._chain(namespace, tokens, first)
+        self._learn(namespace, tokens, first, result.adopted, parent)
+
+    def _chain(self, namespace: str, tokens: bytes, end: int) -> bytes:
+        h, bb = ZERO_HASH, self._bb
+        for i in range(end):
+            h = chain_hash(h, namespace, tokens[i * bb:(i + 1) * bb])
+        return h
+
+    def _learn(self, namespace: str, tokens: bytes, first: int, ids: Sequence[int],
+               parent: bytes) -> None:
+        """Keys for pool blocks `ids` holding blocks first, first+1, ... of `tokens`; a copy of
+        one of them on disk is dropped (a block is in one tier)."""
+        bb = self._bb
+        for i, b in enumerate(ids, first):
+            tok = tokens[i * bb:(i + 1) * bb]
+            h = chain_hash(parent, namespace, tok)
+            self._mem[b] = BlockKey(namespace, h, parent, i, tok)
+            if len(self.index):
+                self.index.drop((namespace, h))
+            parent = h
+
+    def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            key = self._mem.pop(b, None)
+            if key is not None:
+                self._put(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b))
+                self._counts["demoted_blocks"] += 1
+
+    def _put(self, key: BlockKey, payload: bytes, sink: bool) -> None:
+        if self._error is not None:  # the writer failed (logged): the block is dropped
+            self._counts["evicted_blocks"] += 1
+            return
+        self._seq += 1
+        meta = SlotMeta(key.namespace, key.hash, key.parent, key.position, key.tokens,
+                        len(payload), sink and self.pool.num_sink_blocks > 0,
+                        self.file.generation, self._seq)
+        self.index.drop((key.namespace, key.hash))
+        entry, evicted = self.index.add(meta, payload)
+        self._counts["evicted_blocks"] += len(evicted)
+        with self._cond:
+            while len(self._queue) >= MAX_PENDING and self._error is None:
+                self._cond.wait(1.0)
+            self._queue.append(entry)
+            self._cond.notify_all()
+
+    def cleared(self, namespace: str, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            self._mem.pop(b, None)
+        self.index.drop_namespace(namespace)
+
+    def promote(self, ns: Namespace, tokens: bytes, make_room: MakeRoom,
+                publish: Publish) -> int:
+        if not self.index.has_namespace(ns.name):
+            return 0
+        tree, bb = ns.tree, self._bb
+        m = tree.match(tokens)
+        k = len(m.block_ids)
+        parent = ZERO_HASH
+        if k:
+            known = self._mem.get(m.block_ids[-1])
+            parent = known.hash if known is not None else self._chain(ns.name, tokens, k)
+        taken: list[Entry] = []
+        for i in range(k, min(len(tokens) // bb, k + self.promote_blocks)):
+            tok = tokens[i * bb:(i + 1) * bb]
+            h = chain_hash(parent, ns.name, tok)
+            entry = self.index.get((ns.name, h))
+            if entry is None or entry.meta.tokens != tok:
+                break
+            taken.append(self.index.take((ns.name, h)))
+            parent = h
+        if not taken:
+            return 0
+        tree.lock(m.handle, hit=False)  # making room must not evict the prefix they extend
+        try:
+            return self._bring_up(ns, tokens, m.block_ids, taken, make_room, publish)
+        finally:
+            tree.unlock(m.handle)
+
+    def _bring_up(self, ns: Namespace, tokens: bytes, cached: Sequence[int],
+                  taken: list[Entry], make_room: MakeRoom, publish: Publish) -> int:
+        sinks = int(not cached)
+        try:
+            make_room(len(taken), sinks)
+        except OutOfBlocks:
+            for entry in taken:
+                self.index.restore(entry)
+            return 0
+        ids = self.pool.alloc(len(taken), sinks=sinks)
+        good = 0
+        for b, entry in zip(ids, taken, strict=True):
+            if not self._read(b, entry):
+                self._counts["verify_failures"] += 1
+                break
+            good += 1
+        for entry in taken[:good + 1]:  # promoted, or the one that failed: their slots free
+            self.index.release(entry)
+        for entry in taken[good + 1:]:  # not reached: still on disk
+            self.index.restore(entry)
+        if good < len(ids):
+            self.pool.free(ids[good:])
+        if not good:
+            return 0
+        end = len(cached) + good
+        ns.tree.insert(tokens[:end * self._bb], list(cached) + ids[:good])
+        publish(ns.name)
+        parent = taken[0].meta.parent
+        self._learn(ns.name, tokens, len(cached), ids[:good], parent)
+        self._counts["promoted_blocks"] += good
+        self._counts["hit_tokens"] += good * self.block_size
+        return good
+
+    def _read(self, block_id: int, entry: Entry) -> bool:
+        """The entry's payload into pool block `block_id`; False if it does not verify."""
+        out = self.pool.block_bytes(block_id)
+        meta = entry.meta
+        if len(out) < meta.payload_len:
+            return False
+        staging = entry.staging
+        if staging is not None:  # its write is still queued
+            out[:meta.payload_len] = np.frombuffer(staging, np.uint8)
+            return True
+        return self.file.read_into(entry.slot, meta, memoryview(out.data)[:meta.payload_len])
+
+    # ---- the writer ---------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
+                self._cond.notify_all()
+            try:
+                jobs = []
+                for entry in batch:
+                    payload = entry.staging
+                    if payload is not None:
+                        jobs.append((entry.slot, self.file.encode_meta(entry.meta, payload),
+                                     payload))
+                self.file.write(jobs)
+            except BaseException as e:  # a full or failing disk: demotions stop with it
+                log.error("disk tier write failed: %s", e)
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            for entry in batch:
+                entry.staging = None
+            with self._cond:
+                self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every queued write is done, then fsync."""
+        with self._cond:
+            while self._queue and self._error is None:
+                self._cond.wait(1.0)
+        self.file.sync()
+
+    # ---- figures, invariants, stop ------------------------------------------------------------
+
+    def stats(self) -> DiskStats:
+        entries = self.index.entries()
+        return DiskStats(
+            capacity_blocks=self.index.capacity, blocks=len(entries),
+            bytes=sum(e.meta.payload_len for e in entries),
+            slot_bytes=self.file.geometry.slot_bytes,
+            pending_writes=len(self._queue), generation=self.file.generation, **self._counts)
+
+    def check_integrity(self, cached: int) -> None:
+        problem = self.index.check()
+        if problem is None and len(self._mem) != cached:
+            problem = f"{len(self._mem)} pool blocks have disk keys, {cached} are cached"
+        if problem is None:
+            on_disk = {(k.namespace, k.hash) for k in self._mem.values()}
+            if any(key in self.index for key in on_disk):
+                problem = "a block is cached in the pool and on disk"
+        if problem is not None:
+            raise IntegrityError(problem)
+
+    def close(self, write_down: bool) -> None:
+        if write_down:  # children first: on disk they are older than their parents
+            for b, key in sorted(self._mem.items(), key=lambda kv: -kv[1].position):
+                self._put(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b))
+            log.info("disk tier: %d cached pool blocks written down", len(self._mem))
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._writer.join()
+        self.file.sync()
+        self.file.close()

@@ -1,0 +1,53 @@
+"""What the service asks of a tier below its pool, and the tier it has without one.
+
+The service calls these at five points, under its lock, and never asks which tier it has:
+
+    promote    before a Match reads the tree: bring the blocks that continue the prompt's
+               cached prefix up from the tier into pool blocks, inserted in the tree
+    demote     pool blocks the policy evicted, before they go back to the free list
+    inserted   blocks an Insert adopted (the tier learns their keys; a copy below is dropped)
+    cleared    a namespace's blocks dropped by Clear
+    stats      its figures; check_integrity its invariants
+
+`NoTier` is the pool alone: every hook does nothing. The disk tier is radixkv/disk/tier.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from radixkv.types import DiskStats
+
+if TYPE_CHECKING:
+    from radixkv.index.results import InsertResult
+    from radixkv.kinds import Namespace
+
+MakeRoom = Callable[[int, int], int]  # (blocks, sink blocks) -> blocks evicted; OutOfBlocks
+Publish = Callable[[str], None]  # publish a namespace's queued tree events
+
+
+class NoTier:
+    def promote(self, ns: Namespace, tokens: bytes, make_room: MakeRoom,
+                publish: Publish) -> int:
+        """Blocks brought up into `ns`'s tree for `tokens`."""
+        return 0
+
+    def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
+        """`block_ids` (still holding their KV) leave the pool."""
+
+    def inserted(self, namespace: str, tokens: bytes, block_ids: Sequence[int],
+                 result: InsertResult) -> None:
+        """An Insert of `block_ids` for `tokens` adopted result.adopted."""
+
+    def cleared(self, namespace: str, block_ids: Sequence[int]) -> None:
+        """Clear dropped `block_ids` and the namespace."""
+
+    def stats(self) -> DiskStats:
+        return DiskStats()
+
+    def check_integrity(self, cached: int) -> None:
+        """IntegrityError unless the tier agrees with the `cached` pool block count."""
+
+    def close(self, write_down: bool) -> None:
+        """Stop; with `write_down`, first write the pool's cached blocks to the tier."""
