@@ -119,11 +119,9 @@ class DiskIndex:
             self._free.append(entry.slot)
         return entry
 
-    def drop_namespace(self, namespace: str) -> int:
+    def drop_namespace(self, namespace: str) -> list[Entry]:
         keys = [k for k in self._lru if k[0] == namespace]
-        for k in keys:
-            self.drop(k)
-        return len(keys)
+        return [e for k in keys if (e := self.drop(k)) is not None]
 
     def check(self) -> str | None:
         """None, or the first invariant that fails: every slot held, free or reserved once."""

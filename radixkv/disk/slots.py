@@ -162,12 +162,24 @@ class SlotFile:
         head = SLOT_MAGIC + struct.pack("<II", crc, meta_crc) + body
         return head.ljust(self.geometry.meta_bytes, b"\0")
 
-    def write(self, jobs: Sequence[tuple[int, bytes, memoryview | bytes]]) -> None:
-        """Write (slot, encoded meta, payload) triples; adjacent slots go in one pwritev."""
+    def write(self, jobs: Sequence[tuple[int, bytes, memoryview | bytes] | int]) -> None:
+        """Write (slot, encoded meta, payload) triples, and zero the header of each slot given
+        alone (a tombstone), in order; runs of adjacent slots go in one pwritev."""
+        run: list[tuple[int, bytes, memoryview | bytes]] = []
+        for job in jobs:
+            if isinstance(job, int):
+                self._write_run(run)
+                run = []
+                os.pwrite(self.fd, bytes(ALIGN), self.offset(job))
+            else:
+                run.append(job)
+        self._write_run(run)
+
+    def _write_run(self, jobs: list[tuple[int, bytes, memoryview | bytes]]) -> None:
         g = self.geometry
-        pad = bytes(g.slot_bytes - g.meta_bytes - g.payload_bytes)
+        pad = bytes(g.slot_bytes - g.meta_bytes)
         i = 0
-        ordered = sorted(jobs, key=lambda j: j[0])
+        ordered = sorted(jobs, key=lambda j: j[0])  # stable: one slot twice stays in order
         while i < len(ordered):
             j = i
             while j + 1 < len(ordered) and ordered[j + 1][0] == ordered[j][0] + 1 and j - i < 63:

@@ -80,7 +80,7 @@ class DiskTier(NoTier):
                             evicted_blocks=0, verify_failures=0, loaded_blocks=0,
                             dropped_at_load=0)
         self._load()
-        self._queue: deque[Entry] = deque()
+        self._queue: deque[tuple[int, Entry | None]] = deque()  # (slot, entry | tombstone)
         self._cond = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
@@ -144,7 +144,7 @@ class DiskTier(NoTier):
             h = chain_hash(parent, namespace, tok)
             self._mem[b] = BlockKey(namespace, h, parent, i, tok)
             if len(self.index):
-                self.index.drop((namespace, h))
+                self._free(self.index.drop((namespace, h)))
             parent = h
 
     def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
@@ -162,19 +162,30 @@ class DiskTier(NoTier):
         meta = SlotMeta(key.namespace, key.hash, key.parent, key.position, key.tokens,
                         len(payload), sink and self.pool.num_sink_blocks > 0,
                         self.file.generation, self._seq)
-        self.index.drop((key.namespace, key.hash))
+        self._free(self.index.drop((key.namespace, key.hash)))
         entry, evicted = self.index.add(meta, payload)
         self._counts["evicted_blocks"] += len(evicted)
+        self._enqueue(entry.slot, entry)
+
+    def _free(self, entry: Entry | None) -> None:
+        """A slot left the index: its header is zeroed (queued), so a restart does not bring
+        back a block that was promoted, dropped or cleared. (A crash before that write lands
+        brings it back: its bytes are still that prefix's KV.)"""
+        if entry is not None:
+            self._enqueue(entry.slot, None)
+
+    def _enqueue(self, slot: int, entry: Entry | None) -> None:
         with self._cond:
             while len(self._queue) >= MAX_PENDING and self._error is None:
                 self._cond.wait(1.0)
-            self._queue.append(entry)
+            self._queue.append((slot, entry))
             self._cond.notify_all()
 
     def cleared(self, namespace: str, block_ids: Sequence[int]) -> None:
         for b in block_ids:
             self._mem.pop(b, None)
-        self.index.drop_namespace(namespace)
+        for entry in self.index.drop_namespace(namespace):
+            self._free(entry)
 
     def promote(self, ns: Namespace, tokens: bytes, make_room: MakeRoom,
                 publish: Publish) -> int:
@@ -206,48 +217,54 @@ class DiskTier(NoTier):
 
     def _bring_up(self, ns: Namespace, tokens: bytes, cached: Sequence[int],
                   taken: list[Entry], make_room: MakeRoom, publish: Publish) -> int:
-        sinks = int(not cached)
-        try:
-            make_room(len(taken), sinks)
-        except OutOfBlocks:
-            for entry in taken:
-                self.index.restore(entry)
-            return 0
-        ids = self.pool.alloc(len(taken), sinks=sinks)
-        good = 0
-        for b, entry in zip(ids, taken, strict=True):
-            if not self._read(b, entry):
+        """Read the taken entries (checked), free their slots (so the demotions that make
+        room in the pool can use them), then copy them into new pool blocks in the tree."""
+        payloads: list[bytes | bytearray] = []
+        for entry in taken:
+            data = self._fetch(entry)
+            if data is None:
                 self._counts["verify_failures"] += 1
                 break
-            good += 1
-        for entry in taken[:good + 1]:  # promoted, or the one that failed: their slots free
+            payloads.append(data)
+        good = len(payloads)
+        for entry in taken[:good + 1]:  # read, or the one that failed: their slots free
             self.index.release(entry)
+            self._free(entry)
         for entry in taken[good + 1:]:  # not reached: still on disk
             self.index.restore(entry)
-        if good < len(ids):
-            self.pool.free(ids[good:])
         if not good:
             return 0
+        sinks = int(not cached)
+        try:
+            make_room(good, sinks)
+        except OutOfBlocks:  # no room in the pool (all pinned): they go back to disk
+            for entry, data in zip(taken, payloads, strict=False):
+                self._requeue(entry.meta, data)
+            return 0
+        ids = self.pool.alloc(good, sinks=sinks)
+        for b, data in zip(ids, payloads, strict=True):
+            self.pool.block_bytes(b)[:len(data)] = np.frombuffer(data, np.uint8)
         end = len(cached) + good
-        ns.tree.insert(tokens[:end * self._bb], list(cached) + ids[:good])
+        ns.tree.insert(tokens[:end * self._bb], list(cached) + ids)
         publish(ns.name)
-        parent = taken[0].meta.parent
-        self._learn(ns.name, tokens, len(cached), ids[:good], parent)
+        self._learn(ns.name, tokens, len(cached), ids, taken[0].meta.parent)
         self._counts["promoted_blocks"] += good
         self._counts["hit_tokens"] += good * self.block_size
         return good
 
-    def _read(self, block_id: int, entry: Entry) -> bool:
-        """The entry's payload into pool block `block_id`; False if it does not verify."""
-        out = self.pool.block_bytes(block_id)
-        meta = entry.meta
-        if len(out) < meta.payload_len:
-            return False
+    def _fetch(self, entry: Entry) -> bytes | bytearray | None:
+        """The entry's payload (os.preadv), or None if the slot does not verify."""
         staging = entry.staging
         if staging is not None:  # its write is still queued
-            out[:meta.payload_len] = np.frombuffer(staging, np.uint8)
-            return True
-        return self.file.read_into(entry.slot, meta, memoryview(out.data)[:meta.payload_len])
+            return staging
+        out = bytearray(entry.meta.payload_len)
+        if not self.file.read_into(entry.slot, entry.meta, memoryview(out)):
+            return None
+        return out
+
+    def _requeue(self, meta: SlotMeta, payload: bytes | bytearray) -> None:
+        key = BlockKey(meta.namespace, meta.hash, meta.parent, meta.position, meta.tokens)
+        self._put(key, bytes(payload), meta.sink)
 
     # ---- the writer ---------------------------------------------------------------------------
 
@@ -261,12 +278,13 @@ class DiskTier(NoTier):
                 batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
                 self._cond.notify_all()
             try:
-                jobs = []
-                for entry in batch:
-                    payload = entry.staging
-                    if payload is not None:
-                        jobs.append((entry.slot, self.file.encode_meta(entry.meta, payload),
-                                     payload))
+                jobs: list[tuple[int, bytes, bytes | memoryview] | int] = []
+                for slot, entry in batch:
+                    payload = None if entry is None else entry.staging
+                    if entry is None:
+                        jobs.append(slot)
+                    elif payload is not None:
+                        jobs.append((slot, self.file.encode_meta(entry.meta, payload), payload))
                 self.file.write(jobs)
             except BaseException as e:  # a full or failing disk: demotions stop with it
                 log.error("disk tier write failed: %s", e)
@@ -274,8 +292,9 @@ class DiskTier(NoTier):
                     self._error = e
                     self._cond.notify_all()
                 return
-            for entry in batch:
-                entry.staging = None
+            for _, entry in batch:
+                if entry is not None:
+                    entry.staging = None
             with self._cond:
                 self._cond.notify_all()
 
