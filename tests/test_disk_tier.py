@@ -252,3 +252,19 @@ def start_layout(d: str):  # noqa: ANN201 - the tiny layout the servers above ru
                                       "--block-size", str(BS)])
     layout: KVLayout = layout_from_args(args)
     return layout
+
+
+def test_replay_with_a_disk_tier_reports_hits_per_tier(workdir):
+    out = subprocess.run(
+        [sys.executable, "-m", "radixkv", "replay", "--requests", "400", "--capacity-blocks",
+         "64", "--disk-capacity-blocks", "512", "--disk-dir", os.path.join(workdir, "disk"),
+         "--clients", "2", "--json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr
+    import json
+
+    r = json.loads(out.stdout)
+    tiers = r["hit_rate_by_tier"]
+    assert r["verify_mismatches"] == 0 and r["integrity"] == "ok"
+    assert tiers["disk"] > 0 and r["disk"]["demoted_blocks"] > 0
+    assert abs(tiers["memory"] + tiers["disk"] - r["token_hit_rate"]) < 1e-9

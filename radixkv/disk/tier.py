@@ -217,8 +217,69 @@ class DiskTier(NoTier):
 
     def _bring_up(self, ns: Namespace, tokens: bytes, cached: Sequence[int],
                   taken: list[Entry], make_room: MakeRoom, publish: Publish) -> int:
-        """Read the taken entries (checked), free their slots (so the demotions that make
-        room in the pool can use them), then copy them into new pool blocks in the tree."""
+        """The taken entries into new pool blocks in the tree: read straight into the pool
+        blocks when the disk has free slots for the blocks that making room demotes, else
+        read first and free their slots for those demotions (`_staged`)."""
+        self.file.prefetch([e.slot for e in taken if e.staging is None])
+        if self.index.num_free < len(taken) - self.pool.num_free:
+            return self._staged(ns, tokens, cached, taken, make_room, publish)
+        sinks = int(not cached)
+        try:
+            make_room(len(taken), sinks)
+        except OutOfBlocks:  # no room in the pool (all pinned): they stay on disk
+            for entry in taken:
+                self.index.restore(entry)
+            return 0
+        ids = self.pool.alloc(len(taken), sinks=sinks)
+        good = 0
+        for b, entry in zip(ids, taken, strict=True):
+            if not self._read(b, entry):
+                self._counts["verify_failures"] += 1
+                break
+            good += 1
+        self._settle(taken, good)
+        if good < len(ids):
+            self.pool.free(ids[good:])
+        return self._adopt(ns, tokens, cached, ids[:good], taken, publish)
+
+    def _settle(self, taken: list[Entry], good: int) -> None:
+        """After reading `good` of the taken entries: their slots (and the one that failed,
+        if any) are free; the rest are back on disk."""
+        for entry in taken[:good + 1]:
+            self.index.release(entry)
+            self._free(entry)
+        for entry in taken[good + 1:]:
+            self.index.restore(entry)
+
+    def _adopt(self, ns: Namespace, tokens: bytes, cached: Sequence[int], ids: Sequence[int],
+               taken: list[Entry], publish: Publish) -> int:
+        """Promoted blocks `ids` (holding their KV) into the tree, after `cached`."""
+        if not ids:
+            return 0
+        end = len(cached) + len(ids)
+        ns.tree.insert(tokens[:end * self._bb], [*cached, *ids])
+        publish(ns.name)
+        self._learn(ns.name, tokens, len(cached), ids, taken[0].meta.parent)
+        self._counts["promoted_blocks"] += len(ids)
+        self._counts["hit_tokens"] += len(ids) * self.block_size
+        return len(ids)
+
+    def _read(self, block_id: int, entry: Entry) -> bool:
+        """The entry's payload into pool block `block_id`; False if it does not verify."""
+        out = self.pool.block_bytes(block_id)
+        meta = entry.meta
+        if len(out) < meta.payload_len:
+            return False
+        staging = entry.staging
+        if staging is not None:  # its write is still queued
+            out[:meta.payload_len] = np.frombuffer(staging, np.uint8)
+            return True
+        return self.file.read_into(entry.slot, meta, memoryview(out.data)[:meta.payload_len])
+
+    def _staged(self, ns: Namespace, tokens: bytes, cached: Sequence[int],
+                taken: list[Entry], make_room: MakeRoom, publish: Publish) -> int:
+        """Read the taken entries (checked) and free their slots, so the demotions that make
+        room in the pool can use them; then copy them into new pool blocks."""
         payloads: list[bytes | bytearray] = []
         for entry in taken:
             data = self._fetch(entry)
@@ -227,11 +288,7 @@ class DiskTier(NoTier):
                 break
             payloads.append(data)
         good = len(payloads)
-        for entry in taken[:good + 1]:  # read, or the one that failed: their slots free
-            self.index.release(entry)
-            self._free(entry)
-        for entry in taken[good + 1:]:  # not reached: still on disk
-            self.index.restore(entry)
+        self._settle(taken, good)
         if not good:
             return 0
         sinks = int(not cached)
@@ -244,13 +301,7 @@ class DiskTier(NoTier):
         ids = self.pool.alloc(good, sinks=sinks)
         for b, data in zip(ids, payloads, strict=True):
             self.pool.block_bytes(b)[:len(data)] = np.frombuffer(data, np.uint8)
-        end = len(cached) + good
-        ns.tree.insert(tokens[:end * self._bb], list(cached) + ids)
-        publish(ns.name)
-        self._learn(ns.name, tokens, len(cached), ids, taken[0].meta.parent)
-        self._counts["promoted_blocks"] += good
-        self._counts["hit_tokens"] += good * self.block_size
-        return good
+        return self._adopt(ns, tokens, cached, ids, taken, publish)
 
     def _fetch(self, entry: Entry) -> bytes | bytearray | None:
         """The entry's payload (os.preadv), or None if the slot does not verify."""
