@@ -164,7 +164,8 @@ def ttft_figures(repeat: int, prompt_tokens: int, share: int) -> dict[str, Any]:
     disk, memory, none = [], [], []
     with tempfile.TemporaryDirectory(prefix="rkv-ttft-disk-") as directory:
         os.mkdir(os.path.join(directory, "disk"))
-        flags = [*loaded.serve_flags(directory), "--block-size", "16", "--num-blocks",
+        flags = [*loaded.serve_flags(directory), "--lease-ttl", "600", "--block-size", "16",
+                 "--num-blocks",
                  str(2 * per_prompt), "--disk-dir", os.path.join(directory, "disk"),
                  "--disk-capacity-blocks", str(8 * per_prompt * (repeat + 2))]
         with radixkv_server(directory, *flags) as sock, Client(sock) as kv:
@@ -214,6 +215,9 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=24, help="16-block prompts for the I/O")
     p.add_argument("--repeat", type=int, default=3, help="TTFT repeats (median)")
     p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for the TTFT (default: torch's; 1 keeps the ratios "
+                   "steadier on a machine others load, as in bench/ttft.py)")
     p.add_argument("--no-model", action="store_true", help="skip the SmolLM2 TTFT")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -224,6 +228,10 @@ def main() -> int:
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
     if not args.no_model:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         out.update(ttft_figures(args.repeat, args.prompt_tokens, 90))
     emit("disk_tier", out, args.json)
     return 0

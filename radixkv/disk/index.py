@@ -37,6 +37,7 @@ class DiskIndex:
         self._lru: OrderedDict[Key, Entry] = OrderedDict()  # oldest demotion first
         self._per_ns: dict[str, int] = {}
         self._reserved = 0  # slots of entries taken out for a promotion
+        self.payload_bytes = 0  # of the entries held
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -69,8 +70,12 @@ class DiskIndex:
             slot = self._free.pop()
         entry = Entry(meta, slot, staging)
         self._lru[(meta.namespace, meta.hash)] = entry
-        self._per_ns[meta.namespace] = self._per_ns.get(meta.namespace, 0) + 1
+        self._count(entry)
         return entry, evicted
+
+    def _count(self, entry: Entry) -> None:
+        self._per_ns[entry.meta.namespace] = self._per_ns.get(entry.meta.namespace, 0) + 1
+        self.payload_bytes += entry.meta.payload_len
 
     def load(self, found: list[tuple[int, SlotMeta]]) -> None:
         """Fill an empty index with (slot, meta) found on disk, oldest first."""
@@ -87,6 +92,7 @@ class DiskIndex:
 
     def _forget(self, entry: Entry) -> None:
         ns = entry.meta.namespace
+        self.payload_bytes -= entry.meta.payload_len
         left = self._per_ns[ns] - 1
         if left:
             self._per_ns[ns] = left
@@ -105,7 +111,7 @@ class DiskIndex:
         """A taken entry back, as the newest."""
         self._reserved -= 1
         self._lru[(entry.meta.namespace, entry.meta.hash)] = entry
-        self._per_ns[entry.meta.namespace] = self._per_ns.get(entry.meta.namespace, 0) + 1
+        self._count(entry)
 
     def release(self, entry: Entry) -> None:
         """A taken entry's slot is free again."""
@@ -133,4 +139,6 @@ class DiskIndex:
             return "a disk slot is both held and free, or held twice"
         if sum(self._per_ns.values()) != len(self._lru):
             return "per-namespace disk counts are off"
+        if sum(e.meta.payload_len for e in self._lru.values()) != self.payload_bytes:
+            return "the disk tier's byte count is off"
         return None

@@ -359,10 +359,9 @@ class DiskTier(NoTier):
     # ---- figures, invariants, stop ------------------------------------------------------------
 
     def stats(self) -> DiskStats:
-        entries = self.index.entries()
         return DiskStats(
-            capacity_blocks=self.index.capacity, blocks=len(entries),
-            bytes=sum(e.meta.payload_len for e in entries),
+            capacity_blocks=self.index.capacity, blocks=len(self.index),
+            bytes=self.index.payload_bytes,
             slot_bytes=self.file.geometry.slot_bytes,
             pending_writes=len(self._queue), generation=self.file.generation, **self._counts)
 
