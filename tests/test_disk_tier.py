@@ -72,6 +72,43 @@ def test_pool_evictions_demote_and_match_back_from_another_process(workdir):
         stopped(server)
 
 
+def test_prometheus_and_the_inspector_show_each_tier(workdir):
+    import json
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = serve(workdir, 8, 32, "--metrics-port", str(port))
+    try:
+        prompts = [p(i) for i in range(6)]  # 12 blocks: 4 demoted
+        with Client(server.socket) as kv:
+            for t in prompts:
+                put(kv, "ns", t)
+        read_in_other_process(server.socket, "ns", prompts[:1])  # 2 blocks promoted
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in text_string_to_metric_families(text) for s in f.samples}
+        assert m[("radixkv_tier_hits_total", (("tier", "disk"),))] == 2 * BS
+        assert m[("radixkv_tier_hits_total", (("tier", "memory"),))] == 0
+        assert m[("radixkv_tier_blocks", (("tier", "memory"),))] == 8
+        assert m[("radixkv_tier_blocks", (("tier", "disk"),))] == 4
+        assert m[("radixkv_demoted_blocks_total", ())] == 6  # 4, then 2 for the promotion
+        assert m[("radixkv_promoted_blocks_total", ())] == 2
+        out = subprocess.run([sys.executable, "-m", "radixkv", "inspect", "--socket",
+                              server.socket, "--json"], capture_output=True, text=True,
+                             timeout=60, cwd=REPO)
+        tiers = json.loads(out.stdout)["tiers"]
+        assert tiers["disk"]["blocks"] == 4 and tiers["disk"]["hit_tokens"] == 2 * BS
+        assert tiers["memory"]["blocks"] == 8 and tiers["disk"]["capacity_blocks"] == 32
+    finally:
+        stopped(server)
+
+
 def test_full_disk_tier_drops_the_least_recently_demoted(workdir):
     server = serve(workdir, 4, 4)
     try:
