@@ -253,12 +253,16 @@ class KVService:
             return sum(self._leases.end(lease, hint=hint_of[lease.lease_id]) for lease in leases)
 
     def clear(self, namespace: str) -> int:
-        """Drop every cached block of `namespace` and the namespace itself; publishes
-        AllBlocksCleared. FailedPrecondition while a lease pins or holds anything in it."""
+        """Drop every cached block of `namespace` (in the pool and in the tier below) and the
+        namespace itself; publishes AllBlocksCleared. FailedPrecondition while a lease pins or
+        holds anything in it. Returns the pool blocks freed."""
         with self._lock:
             ns = self._namespaces.get(namespace)
             if ns is None:
-                raise NotFound(f"namespace {namespace!r} does not exist")
+                if not self._tier.cleared(namespace, []):  # on disk only, or nowhere
+                    raise NotFound(f"namespace {namespace!r} does not exist")
+                self.events.publish_cleared(namespace)
+                return 0
             freed = ns.evict_all()
             self._tier.cleared(ns.name, freed)
             self.pool.free(freed)

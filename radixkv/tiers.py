@@ -40,8 +40,10 @@ class NoTier:
                  result: InsertResult) -> None:
         """An Insert of `block_ids` for `tokens` adopted result.adopted."""
 
-    def cleared(self, namespace: str, block_ids: Sequence[int]) -> None:
-        """Clear dropped `block_ids` and the namespace."""
+    def cleared(self, namespace: str, block_ids: Sequence[int]) -> int:
+        """Clear dropped `block_ids` and the namespace: drop its blocks here too. Returns
+        how many the tier held."""
+        return 0
 
     def stats(self) -> DiskStats:
         return DiskStats()

@@ -5,7 +5,8 @@ to the tier it must be in (or may be in); after every step the service's trees a
 are read back and compared: every block is in exactly one of free / leased / memory / disk
 (the integrity check), no prefix is in both tiers, the counts and bytes per tier are exact,
 every hit's bytes are the KV written for that prefix (real bytes compared), and while the two
-tiers together can hold everything, nothing stored is ever lost or missed."""
+tiers together can hold everything, nothing stored is ever lost or missed; Clear empties
+both."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import shutil
 import tempfile
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpu_pool import create_pool
 from gpu_pool.layout import KVLayout
+from radixkv import errors
 from radixkv.disk.slots import ZERO_HASH, chain_hash
 from radixkv.disk.tier import DiskTier
 from radixkv.service import KVService, ServiceConfig
@@ -82,6 +85,19 @@ class PoolAndDisk(RuleBasedStateMachine):
         self.in_memory = {prompt[:j] for j in range(1, len(prompt) + 1)}
         if len(self.known) > POOL + self.disk:
             self.lossless = False
+
+    @rule()
+    def clear(self) -> None:
+        """Clear drops the namespace from both tiers (NotFound when it holds nothing)."""
+        held = self.memory() | self.on_disk()
+        if held:
+            self.svc.clear(NS)
+        else:
+            with pytest.raises(errors.NotFound):
+                self.svc.clear(NS)
+        assert self.memory() == set() and self.on_disk() == set()
+        self.known, self.in_memory = set(), set()
+        self.lossless = True
 
     @rule()
     def clean_restart(self) -> None:

@@ -181,11 +181,13 @@ class DiskTier(NoTier):
             self._queue.append((slot, entry))
             self._cond.notify_all()
 
-    def cleared(self, namespace: str, block_ids: Sequence[int]) -> None:
+    def cleared(self, namespace: str, block_ids: Sequence[int]) -> int:
         for b in block_ids:
             self._mem.pop(b, None)
-        for entry in self.index.drop_namespace(namespace):
+        dropped = self.index.drop_namespace(namespace)
+        for entry in dropped:
             self._free(entry)
+        return len(dropped)
 
     def promote(self, ns: Namespace, tokens: bytes, make_room: MakeRoom,
                 publish: Publish) -> int:
