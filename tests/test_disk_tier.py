@@ -305,3 +305,7 @@ def test_replay_with_a_disk_tier_reports_hits_per_tier(workdir):
     assert r["verify_mismatches"] == 0 and r["integrity"] == "ok"
     assert tiers["disk"] > 0 and r["disk"]["demoted_blocks"] > 0
     assert abs(tiers["memory"] + tiers["disk"] - r["token_hit_rate"]) < 1e-9
+    saved = r["prefill_saved"]  # disk hits priced: llama-3-8b bf16 KV read at 2 GB/s
+    read_s = r["disk"]["hit_tokens"] * 131072 / 2e9
+    assert r["disk"]["read_bytes_per_token"] == 131072
+    assert abs(saved["seconds_net_of_disk_reads"] - (saved["seconds_at_rate"] - read_s)) < 1e-6

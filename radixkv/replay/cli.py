@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--capacity-blocks pool (0, default: none)")
     g.add_argument("--disk-dir", metavar="DIR",
                    help="the disk tier's directory (default: a temporary one)")
+    g.add_argument("--disk-read-gbps", type=float, default=2.0, metavar="GB/S",
+                   help="the disk read bandwidth the disk hits are priced at, with --preset's "
+                   "KV bytes per token in --kv-dtype (default 2.0, an assumed local NVMe; "
+                   "give yours, e.g. bench/disk_tier.py's fs_read_GBps)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not write and check block bytes (on by default)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
@@ -195,6 +199,15 @@ def main(args: argparse.Namespace) -> int:
         disk=disk_tier(args))
     if note:
         report = replace(report, notes=(*report.notes, note))
+    if report.disk is not None:
+        from gpu_pool.layout import KVLayout
+
+        layout = KVLayout.from_preset(args.preset, None, block_size)
+        if args.kv_dtype != layout.dtype:
+            layout = layout.with_dtype(args.kv_dtype, 0)
+        report = replace(report, disk=replace(
+            report.disk, read_bytes_per_token=layout.bytes_per_block // block_size,
+            read_GBps=args.disk_read_gbps))
     paths = write_plots(report, args.plots) if args.plots else []
     if args.json:
         out = report.to_dict()

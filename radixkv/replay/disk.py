@@ -17,6 +17,16 @@ class DiskFigures:
     promoted_blocks: int
     evicted_blocks: int
     verify_failures: int  # slots that failed their checksum when read (a miss, never served)
+    # pricing the disk hits' reads (the replay's own blocks are tiny): the KV bytes per token
+    # of the model priced (--preset, --kv-dtype) and the disk's read bandwidth
+    read_bytes_per_token: int = 0
+    read_GBps: float = 0.0
+
+    def read_seconds(self) -> float:
+        """Seconds the disk hits' reads take at `read_GBps` (0 when not priced)."""
+        if not self.read_GBps:
+            return 0.0
+        return self.hit_tokens * self.read_bytes_per_token / (self.read_GBps * 1e9)
 
     def by_tier(self, hit_tokens: int, prompt_tokens: int) -> dict[str, float]:
         """Token hit rate of each tier: hits found in memory, and promoted from disk."""
@@ -24,7 +34,7 @@ class DiskFigures:
         return {"memory": (hit_tokens - self.hit_tokens) / n, "disk": self.hit_tokens / n}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "read_seconds": self.read_seconds()}
 
     def line(self, hit_tokens: int, prompt_tokens: int) -> str:
         rates = self.by_tier(hit_tokens, prompt_tokens)

@@ -151,6 +151,7 @@ class ReplayReport:
         if self.disk is not None:
             out["disk"] = self.disk.to_dict()
             out["hit_rate_by_tier"] = self.disk.by_tier(self.hit_tokens, self.prompt_tokens)
+
         out["notes"] = list(self.notes)
         no_cache, cached, optimum = self.mean_ttft_ms
         out["prefill_saved"] = {
@@ -160,6 +161,9 @@ class ReplayReport:
             "mean_ttft_ms": cached,
             "mean_ttft_ms_optimum": optimum,
         }
+        if self.disk is not None:  # the disk hits' reads are not free: priced
+            out["prefill_saved"]["seconds_net_of_disk_reads"] = (
+                self.ttft_saved_s - self.disk.read_seconds())
         return out
 
 
