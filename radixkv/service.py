@@ -42,6 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from gpu_pool.base import BlockPool, PoolHandle
 from radixkv.errors import (
@@ -124,16 +125,24 @@ class KVService:
         out = []
         found: list[MatchResult] = []  # the trees' matches, for the stores
         epoch = self.pool.epoch
+        plans = self._plan_promotions(queries)
         with self._lock:
-            self._leases.check_room(owner, len(queries))
-            self._namespaces.check_room(len({name for name, _ in queries
-                                              if name not in self._namespaces}))
-            for namespace, tokens in queries:
+            try:
+                self._leases.check_room(owner, len(queries))
+                self._namespaces.check_room(len({name for name, _ in queries
+                                                  if name not in self._namespaces}))
+            except BaseException:
+                for plan in plans:
+                    if plan is not None:
+                        self._tier.abandon(plan)
+                raise
+            for (namespace, tokens), plan in zip(queries, plans, strict=True):
                 ns = self._namespaces.open(namespace)
                 lease = self._leases.open(owner, ns.name, ttl)
                 ns.num_leases += 1
-                self._tier.promote(ns, tokens, functools.partial(self._make_room, ns),
-                                   self._publish)
+                if plan is not None:  # blocks read from the tier below go in first
+                    self._tier.apply(ns, plan, functools.partial(self._make_room, ns),
+                                     self._publish)
                 m = ns.match(lease, tokens)
                 self._recent.append((num_tokens(tokens), m.num_tokens))
                 out.append(ns.answer(lease.lease_id, m, epoch))
@@ -142,6 +151,23 @@ class KVService:
                 out = [self._reclaim.store(o, queries[i][1], store_tokens[i], found[i])
                        for i, o in enumerate(out)]
         return out
+
+    def _plan_promotions(self, queries: Sequence[tuple[str, bytes]]) -> list[Any]:
+        """What the tier below the pool has for each query, read off the lock (radixkv/tiers.py:
+        plan, read; `apply` puts it in the tree under the lock, before the Match)."""
+        with self._lock:
+            plans = [self._tier.plan(name, self._namespaces.get(name), tokens)
+                     for name, tokens in queries]
+        if any(p is not None for p in plans):
+            try:
+                self._tier.read([p for p in plans if p is not None])
+            except BaseException:
+                with self._lock:
+                    for plan in plans:
+                        if plan is not None:
+                            self._tier.abandon(plan)
+                raise
+        return plans
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,

@@ -1,9 +1,11 @@
 """What the service asks of a tier below its pool, and the tier it has without one.
 
-The service calls these at five points, under its lock, and never asks which tier it has:
+The service calls these, under its lock except `read`, and never asks which tier it has:
 
-    promote    before a Match reads the tree: bring the blocks that continue the prompt's
-               cached prefix up from the tier into pool blocks, inserted in the tree
+    plan       before a Match (under the lock): which blocks below continue the prompt's cached
+    read       prefix; then (off the lock) read them; then (under the lock again, before the
+    apply      Match reads the tree) put them in pool blocks, inserted in the tree; `abandon`
+               undoes a plan whose Match failed
     demote     pool blocks the policy evicted, before they go back to the free list
     inserted   blocks an Insert adopted (the tier learns their keys; a copy below is dropped)
     cleared    a namespace's blocks dropped by Clear
@@ -15,7 +17,7 @@ The service calls these at five points, under its lock, and never asks which tie
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixkv.types import DiskStats
 
@@ -28,10 +30,20 @@ Publish = Callable[[str], None]  # publish a namespace's queued tree events
 
 
 class NoTier:
-    def promote(self, ns: Namespace, tokens: bytes, make_room: MakeRoom,
-                publish: Publish) -> int:
-        """Blocks brought up into `ns`'s tree for `tokens`."""
+    def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Any:
+        """What a Match of `tokens` in namespace `name` (`ns`: its tree, None if it has none
+        now) would bring up (None: nothing)."""
+        return None
+
+    def read(self, plans: Sequence[Any]) -> None:
+        """Read the plans' blocks (off the service lock)."""
+
+    def apply(self, ns: Namespace, plan: Any, make_room: MakeRoom, publish: Publish) -> int:
+        """A read plan's blocks into `ns`'s tree; returns how many."""
         return 0
+
+    def abandon(self, plan: Any) -> None:
+        """Undo a plan that will not be applied."""
 
     def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
         """`block_ids` (still holding their KV) leave the pool."""

@@ -34,7 +34,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,6 +52,19 @@ log = logging.getLogger("radixkv.disk")
 
 WRITE_BATCH = 64  # slots per writer pass
 MAX_PENDING = 1024  # queued demotions before a demotion waits for the writer
+
+
+@dataclass(slots=True, eq=False)
+class Promotion:
+    """One Match query's blocks on their way up from disk (DiskTier.plan, read, apply)."""
+
+    ns: Namespace | None  # None: the namespace had no tree when planned
+    tokens: bytes
+    cached: int  # blocks of the prompt cached in the pool when planned (pinned by `handle`)
+    handle: object
+    taken: list[Entry]
+    payloads: list[bytes | bytearray] = field(default_factory=list)
+    failed: bool = False  # the entry after the payloads failed its check
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,60 +202,81 @@ class DiskTier(NoTier):
             self._free(entry)
         return len(dropped)
 
-    def promote(self, ns: Namespace, tokens: bytes, make_room: MakeRoom,
-                publish: Publish) -> int:
-        if not self.index.has_namespace(ns.name):
-            return 0
-        tree, bb = ns.tree, self._bb
-        m = tree.match(tokens)
-        k = len(m.block_ids)
-        parent = ZERO_HASH
-        if k:
-            known = self._mem.get(m.block_ids[-1])
-            parent = known.hash if known is not None else self._chain(ns.name, tokens, k)
+    def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Promotion | None:
+        """Under the service lock: the disk entries that continue `tokens`' cached prefix in
+        namespace `name` (`ns`, None when it has no tree now; at most promote_blocks), taken
+        out of the index (their slots reserved), and that prefix pinned in the tree until
+        `apply` or `abandon`. None: nothing to promote."""
+        if not self.index.has_namespace(name):
+            return None
+        bb, k, handle, parent = self._bb, 0, None, ZERO_HASH
+        if ns is not None:
+            m = ns.tree.match(tokens)
+            k, handle = len(m.block_ids), m.handle
+            if k:
+                known = self._mem.get(m.block_ids[-1])
+                parent = known.hash if known is not None else self._chain(name, tokens, k)
         taken: list[Entry] = []
         for i in range(k, min(len(tokens) // bb, k + self.promote_blocks)):
             tok = tokens[i * bb:(i + 1) * bb]
-            h = chain_hash(parent, ns.name, tok)
-            entry = self.index.get((ns.name, h))
+            h = chain_hash(parent, name, tok)
+            entry = self.index.get((name, h))
             if entry is None or entry.meta.tokens != tok:
                 break
-            taken.append(self.index.take((ns.name, h)))
+            taken.append(self.index.take((name, h)))
             parent = h
         if not taken:
-            return 0
-        tree.lock(m.handle, hit=False)  # making room must not evict the prefix they extend
-        try:
-            return self._bring_up(ns, tokens, m.block_ids, taken, make_room, publish)
-        finally:
-            tree.unlock(m.handle)
+            return None
+        if ns is not None:  # nothing may evict the prefix they extend meanwhile
+            ns.tree.lock(handle, hit=False)
+        return Promotion(ns, tokens, k, handle, taken)
 
-    def _bring_up(self, ns: Namespace, tokens: bytes, cached: Sequence[int],
-                  taken: list[Entry], make_room: MakeRoom, publish: Publish) -> int:
-        """The taken entries into new pool blocks in the tree: read straight into the pool
-        blocks when the disk has free slots for the blocks that making room demotes, else
-        read first and free their slots for those demotions (`_staged`)."""
-        self.file.prefetch([e.slot for e in taken if e.staging is None])
-        if self.index.num_free < len(taken) - self.pool.num_free:
-            return self._staged(ns, tokens, cached, taken, make_room, publish)
-        sinks = int(not cached)
+    def read(self, plans: Sequence[Promotion]) -> None:
+        """Off the service lock: each plan's payloads read (os.preadv, the kernel told to
+        read them all ahead first) and checked, up to the first that fails its CRC."""
+        self.file.prefetch([e.slot for p in plans for e in p.taken if e.staging is None])
+        for p in plans:
+            for entry in p.taken:
+                data = self._fetch(entry)
+                if data is None:
+                    p.failed = True
+                    break
+                p.payloads.append(data)
+
+    def apply(self, ns: Namespace, plan: Promotion, make_room: MakeRoom,
+              publish: Publish) -> int:
+        """Under the service lock again: the read blocks into new pool blocks in the tree
+        (evicting, so demoting, to make room), before the Match reads the tree. Returns the
+        blocks promoted."""
+        good = len(plan.payloads)
+        self._counts["verify_failures"] += plan.failed
+        self._settle(plan.taken, good)
         try:
-            make_room(len(taken), sinks)
-        except OutOfBlocks:  # no room in the pool (all pinned): they stay on disk
-            for entry in taken:
-                self.index.restore(entry)
-            return 0
-        ids = self.pool.alloc(len(taken), sinks=sinks)
-        good = 0
-        for b, entry in zip(ids, taken, strict=True):
-            if not self._read(b, entry):
-                self._counts["verify_failures"] += 1
-                break
-            good += 1
-        self._settle(taken, good)
-        if good < len(ids):
-            self.pool.free(ids[good:])
-        return self._adopt(ns, tokens, cached, ids[:good], taken, publish)
+            try:
+                if plan.ns is not None and ns is not plan.ns:  # dropped and made again
+                    raise OutOfBlocks("stale plan")
+                if good:
+                    make_room(good, int(plan.cached == 0))
+            except OutOfBlocks:  # no room in the pool (all pinned): back to disk
+                for entry, data in zip(plan.taken, plan.payloads, strict=False):
+                    self._requeue(entry.meta, data)
+                return 0
+            if not good:
+                return 0
+            ids = self.pool.alloc(good, sinks=int(plan.cached == 0))
+            for b, data in zip(ids, plan.payloads, strict=True):
+                self.pool.block_bytes(b)[:len(data)] = np.frombuffer(data, np.uint8)
+            return self._adopt(ns, plan.tokens[:(plan.cached + good) * self._bb], ids, publish)
+        finally:
+            if plan.ns is not None:
+                plan.ns.tree.unlock(plan.handle)
+
+    def abandon(self, plan: Promotion) -> None:
+        """A plan not applied (its Match failed): its entries back on disk, its pin gone."""
+        for entry in plan.taken:
+            self.index.restore(entry)
+        if plan.ns is not None:
+            plan.ns.tree.unlock(plan.handle)
 
     def _settle(self, taken: list[Entry], good: int) -> None:
         """After reading `good` of the taken entries: their slots (and the one that failed,
@@ -253,57 +287,21 @@ class DiskTier(NoTier):
         for entry in taken[good + 1:]:
             self.index.restore(entry)
 
-    def _adopt(self, ns: Namespace, tokens: bytes, cached: Sequence[int], ids: Sequence[int],
-               taken: list[Entry], publish: Publish) -> int:
-        """Promoted blocks `ids` (holding their KV) into the tree, after `cached`."""
-        if not ids:
-            return 0
-        end = len(cached) + len(ids)
-        ns.tree.insert(tokens[:end * self._bb], [*cached, *ids])
+    def _adopt(self, ns: Namespace, tokens: bytes, ids: Sequence[int], publish: Publish) -> int:
+        """Promoted blocks `ids` (holding their KV) for the last len(ids) blocks of `tokens`
+        into the tree. An engine may have inserted some of them meanwhile: those are
+        duplicates, freed."""
+        n = len(tokens) // self._bb
+        cached = ns.tree.match(tokens).block_ids
+        given = [*cached[:n - len(ids)], *ids]
+        result = ns.tree.insert(tokens, given)
+        if result.duplicates:
+            self.pool.free(list(result.duplicates))
         publish(ns.name)
-        self._learn(ns.name, tokens, len(cached), ids, taken[0].meta.parent)
-        self._counts["promoted_blocks"] += len(ids)
-        self._counts["hit_tokens"] += len(ids) * self.block_size
-        return len(ids)
-
-    def _read(self, block_id: int, entry: Entry) -> bool:
-        """The entry's payload into pool block `block_id`; False if it does not verify."""
-        out = self.pool.block_bytes(block_id)
-        meta = entry.meta
-        if len(out) < meta.payload_len:
-            return False
-        staging = entry.staging
-        if staging is not None:  # its write is still queued
-            out[:meta.payload_len] = np.frombuffer(staging, np.uint8)
-            return True
-        return self.file.read_into(entry.slot, meta, memoryview(out.data)[:meta.payload_len])
-
-    def _staged(self, ns: Namespace, tokens: bytes, cached: Sequence[int],
-                taken: list[Entry], make_room: MakeRoom, publish: Publish) -> int:
-        """Read the taken entries (checked) and free their slots, so the demotions that make
-        room in the pool can use them; then copy them into new pool blocks."""
-        payloads: list[bytes | bytearray] = []
-        for entry in taken:
-            data = self._fetch(entry)
-            if data is None:
-                self._counts["verify_failures"] += 1
-                break
-            payloads.append(data)
-        good = len(payloads)
-        self._settle(taken, good)
-        if not good:
-            return 0
-        sinks = int(not cached)
-        try:
-            make_room(good, sinks)
-        except OutOfBlocks:  # no room in the pool (all pinned): they go back to disk
-            for entry, data in zip(taken, payloads, strict=False):
-                self._requeue(entry.meta, data)
-            return 0
-        ids = self.pool.alloc(good, sinks=sinks)
-        for b, data in zip(ids, payloads, strict=True):
-            self.pool.block_bytes(b)[:len(data)] = np.frombuffer(data, np.uint8)
-        return self._adopt(ns, tokens, cached, ids, taken, publish)
+        self.inserted(ns.name, tokens, given, result)
+        self._counts["promoted_blocks"] += len(result.adopted)
+        self._counts["hit_tokens"] += len(result.adopted) * self.block_size
+        return len(result.adopted)
 
     def _fetch(self, entry: Entry) -> bytes | bytearray | None:
         """The entry's payload (os.preadv), or None if the slot does not verify."""
