@@ -164,8 +164,8 @@ def ttft_figures(repeat: int, prompt_tokens: int, share: int) -> dict[str, Any]:
     disk, memory, none = [], [], []
     with tempfile.TemporaryDirectory(prefix="rkv-ttft-disk-") as directory:
         os.mkdir(os.path.join(directory, "disk"))
-        flags = [*loaded.serve_flags(directory), "--lease-ttl", "600", "--block-size", "16",
-                 "--num-blocks",
+        flags = [*loaded.serve_flags(directory), "--lease-ttl", "600", "--policy", "lru",
+                 "--block-size", "16", "--num-blocks",
                  str(2 * per_prompt), "--disk-dir", os.path.join(directory, "disk"),
                  "--disk-capacity-blocks", str(8 * per_prompt * (repeat + 2))]
         with radixkv_server(directory, *flags) as sock, Client(sock) as kv:
@@ -185,7 +185,7 @@ def ttft_figures(repeat: int, prompt_tokens: int, share: int) -> dict[str, Any]:
                 int(r.logits_last.argmax())
                 memory.append(time.perf_counter() - t0)
                 before = kv.stats()["disk"]["promoted_blocks"]
-                for _ in range(2):  # two other prompts push it out of the pool: to disk
+                for _ in range(3):  # other prompts push it out of the (LRU) pool: to disk
                     engine.prefill(text(n))
                 prompt = prefix + text(n - shared)
                 t0 = time.perf_counter()
