@@ -27,7 +27,7 @@ insert_many) are validated whole before the first effect; a failed allocate open
 A namespace lives while it holds blocks or leases; an empty one is dropped (its lifetime
 counters stay in the service totals).
 All public methods take one lock: the tree and pool are not thread-safe, and the work per call
-is microseconds, so finer locking would not pay on CPython.
+is microseconds, so finer locking would not pay on CPython (a Match's disk reads run off it).
 
 Its parts: input checks (validation), the lease table (lease_table), the namespaces and their
 kind, full attention or sliding window (namespaces, kinds), making room (reclaim), the tier
@@ -132,9 +132,7 @@ class KVService:
                 self._namespaces.check_room(len({name for name, _ in queries
                                                   if name not in self._namespaces}))
             except BaseException:
-                for plan in plans:
-                    if plan is not None:
-                        self._tier.abandon(plan)
+                self._abandon(plans)
                 raise
             for (namespace, tokens), plan in zip(queries, plans, strict=True):
                 ns = self._namespaces.open(namespace)
@@ -163,11 +161,14 @@ class KVService:
                 self._tier.read([p for p in plans if p is not None])
             except BaseException:
                 with self._lock:
-                    for plan in plans:
-                        if plan is not None:
-                            self._tier.abandon(plan)
+                    self._abandon(plans)
                 raise
         return plans
+
+    def _abandon(self, plans: list[Any]) -> None:
+        for plan in plans:
+            if plan is not None:
+                self._tier.abandon(plan)
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,

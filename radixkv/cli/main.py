@@ -12,9 +12,11 @@ from typing import Any
 from gpu_pool.layout import parse_bytes
 from radixkv.cli.flags import (
     add_connection_flags,
+    add_disk_flags,
     add_layout_flags,
     add_policy_flag,
     add_sink_fraction_flag,
+    disk_settings,
     layout_from_args,
     positive_float,
     positive_int,
@@ -117,24 +119,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, ready)
 
 
-def disk_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """ServerConfig's disk tier fields from the serve flags (InvalidArgument: exit 2)."""
-    from radixkv.errors import InvalidArgument
-
-    if not args.disk_dir:
-        if args.disk_capacity or args.disk_capacity_blocks:
-            raise InvalidArgument("--disk-capacity needs --disk-dir")
-        return {}
-    if not (args.disk_capacity or args.disk_capacity_blocks):
-        raise InvalidArgument("--disk-dir needs --disk-capacity SIZE or --disk-capacity-blocks N")
-    try:
-        size = parse_bytes(args.disk_capacity) if args.disk_capacity else None
-    except Exception as e:  # gpu_pool's InvalidArgument: the unreadable size
-        raise InvalidArgument(f"--disk-capacity: {e}") from None
-    return {"disk_dir": args.disk_dir, "disk_capacity_blocks": args.disk_capacity_blocks,
-            "disk_capacity_bytes": size, "disk_promote_blocks": args.disk_promote_blocks}
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from radixkv.cli.demo import run_demo
 
@@ -219,20 +203,7 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--num-window-blocks", type=positive_int, metavar="N",
                    help="sliding-window layouts with --num-blocks: exactly N window parts "
                         "(instead of --window-fraction)")
-    g = p.add_argument_group("disk tier (docs/disk-tier.md)")
-    g.add_argument("--disk-dir", metavar="DIR",
-                   help="a tier below the pool in DIR (an existing directory of this user on a "
-                   "local filesystem): blocks the pool evicts are written there and stay "
-                   "hittable (a Match promotes them back); a clean stop writes the pool's "
-                   "cached blocks down, and a start on the same DIR serves them again")
-    d = g.add_mutually_exclusive_group()
-    d.add_argument("--disk-capacity", metavar="SIZE",
-                   help="the tier's file size, e.g. 100GiB (preallocated at start)")
-    d.add_argument("--disk-capacity-blocks", type=positive_int, metavar="N",
-                   help="the tier's size in blocks (instead of --disk-capacity)")
-    g.add_argument("--disk-promote-blocks", type=positive_int, default=1 << 20, metavar="N",
-                   help="the most blocks one Match query brings up from disk (default: all "
-                   "that continue its cached prefix)")
+    add_disk_flags(p)
     g = p.add_argument_group("service")
     g.add_argument("--lease-ttl", type=positive_float, default=None,
                    help="seconds a lease lives without use before its pins are dropped "

@@ -33,8 +33,13 @@ class DiskFigures:
         n = max(1, prompt_tokens)
         return {"memory": (hit_tokens - self.hit_tokens) / n, "disk": self.hit_tokens / n}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "read_seconds": self.read_seconds()}
+    def add_to(self, out: dict[str, Any], hit_tokens: int, prompt_tokens: int,
+               saved_s: float) -> None:
+        """Into a report's JSON: these figures, the hit rate of each tier, and the prefill
+        seconds saved net of the disk hits' reads (priced: they are not free)."""
+        out["disk"] = {**asdict(self), "read_seconds": self.read_seconds()}
+        out["hit_rate_by_tier"] = self.by_tier(hit_tokens, prompt_tokens)
+        out["prefill_saved"]["seconds_net_of_disk_reads"] = saved_s - self.read_seconds()
 
     def line(self, hit_tokens: int, prompt_tokens: int) -> str:
         rates = self.by_tier(hit_tokens, prompt_tokens)

@@ -148,9 +148,6 @@ class ReplayReport:
         out["windows"] = [asdict(w) for w in self.windows]
         out["mismatch_examples"] = list(self.mismatch_examples)
         out["verify_mismatches"] = self.mismatches
-        if self.disk is not None:
-            out["disk"] = self.disk.to_dict()
-            out["hit_rate_by_tier"] = self.disk.by_tier(self.hit_tokens, self.prompt_tokens)
 
         out["notes"] = list(self.notes)
         no_cache, cached, optimum = self.mean_ttft_ms
@@ -161,9 +158,8 @@ class ReplayReport:
             "mean_ttft_ms": cached,
             "mean_ttft_ms_optimum": optimum,
         }
-        if self.disk is not None:  # the disk hits' reads are not free: priced
-            out["prefill_saved"]["seconds_net_of_disk_reads"] = (
-                self.ttft_saved_s - self.disk.read_seconds())
+        if self.disk is not None:
+            self.disk.add_to(out, self.hit_tokens, self.prompt_tokens, self.ttft_saved_s)
         return out
 
 
