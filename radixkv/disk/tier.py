@@ -34,6 +34,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,8 @@ log = logging.getLogger("radixkv.disk")
 
 WRITE_BATCH = 64  # slots per writer pass
 MAX_PENDING = 1024  # queued demotions before a demotion waits for the writer
+MAX_SPARE = 64  # read buffers kept for the next promotions
+READERS = 4  # threads reading one promotion's blocks
 
 
 @dataclass(slots=True, eq=False)
@@ -63,7 +66,7 @@ class Promotion:
     cached: int  # blocks of the prompt cached in the pool when planned (pinned by `handle`)
     handle: object
     taken: list[Entry]
-    payloads: list[bytes | bytearray] = field(default_factory=list)
+    payloads: list[bytes | memoryview] = field(default_factory=list)
     failed: bool = False  # the entry after the payloads failed its check
 
 
@@ -89,6 +92,8 @@ class DiskTier(NoTier):
         self.index = DiskIndex(capacity_blocks)
         self._mem: dict[int, BlockKey] = {}  # pool block id -> its key (cached blocks)
         self._seq = 0
+        self._spare: list[bytearray] = []  # read buffers (list.pop / append: atomic)
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="disk-reader")
         self._counts = dict(hit_tokens=0, promoted_blocks=0, demoted_blocks=0,
                             evicted_blocks=0, verify_failures=0, loaded_blocks=0,
                             dropped_at_load=0)
@@ -233,15 +238,16 @@ class DiskTier(NoTier):
 
     def read(self, plans: Sequence[Promotion]) -> None:
         """Off the service lock: each plan's payloads read (os.preadv, the kernel told to
-        read them all ahead first) and checked, up to the first that fails its CRC."""
+        read them all ahead first) and checked, up to the first that fails its CRC. Blocks
+        are read by READERS threads at once (preadv and crc32 release the GIL), so one
+        block's check overlaps the next one's read."""
         self.file.prefetch([e.slot for p in plans for e in p.taken if e.staging is None])
         for p in plans:
-            for entry in p.taken:
-                data = self._fetch(entry)
-                if data is None:
-                    p.failed = True
-                    break
-                p.payloads.append(data)
+            got = list(self._readers.map(self._fetch, p.taken))
+            bad = next((i for i, data in enumerate(got) if data is None), len(got))
+            p.failed = bad < len(got)
+            p.payloads.extend(d for d in got[:bad] if d is not None)
+            self._recycle([d for d in got[bad:] if d is not None])
 
     def apply(self, ns: Namespace, plan: Promotion, make_room: MakeRoom,
               publish: Publish) -> int:
@@ -268,6 +274,7 @@ class DiskTier(NoTier):
                 self.pool.block_bytes(b)[:len(data)] = np.frombuffer(data, np.uint8)
             return self._adopt(ns, plan.tokens[:(plan.cached + good) * self._bb], ids, publish)
         finally:
+            self._recycle(plan.payloads)
             if plan.ns is not None:
                 plan.ns.tree.unlock(plan.handle)
 
@@ -275,6 +282,7 @@ class DiskTier(NoTier):
         """A plan not applied (its Match failed): its entries back on disk, its pin gone."""
         for entry in plan.taken:
             self.index.restore(entry)
+        self._recycle(plan.payloads)
         if plan.ns is not None:
             plan.ns.tree.unlock(plan.handle)
 
@@ -303,17 +311,31 @@ class DiskTier(NoTier):
         self._counts["hit_tokens"] += len(result.adopted) * self.block_size
         return len(result.adopted)
 
-    def _fetch(self, entry: Entry) -> bytes | bytearray | None:
-        """The entry's payload (os.preadv), or None if the slot does not verify."""
+    def _fetch(self, entry: Entry) -> bytes | memoryview | None:
+        """The entry's payload (os.preadv into a spare buffer), or None if the slot does not
+        verify."""
         staging = entry.staging
         if staging is not None:  # its write is still queued
             return staging
-        out = bytearray(entry.meta.payload_len)
-        if not self.file.read_into(entry.slot, entry.meta, memoryview(out)):
+        try:
+            buf = self._spare.pop()  # reused: a fresh one costs its page faults on every read
+        except IndexError:
+            buf = bytearray(self.file.geometry.payload_bytes)
+        out = memoryview(buf)[:entry.meta.payload_len]
+        if not self.file.read_into(entry.slot, entry.meta, out):
+            self._spare.append(buf)
             return None
         return out
 
-    def _requeue(self, meta: SlotMeta, payload: bytes | bytearray) -> None:
+    def _recycle(self, payloads: Sequence[bytes | memoryview]) -> None:
+        for data in payloads:
+            if isinstance(data, memoryview) and len(self._spare) < MAX_SPARE:
+                buf = data.obj
+                data.release()
+                assert isinstance(buf, bytearray)
+                self._spare.append(buf)
+
+    def _requeue(self, meta: SlotMeta, payload: bytes | memoryview) -> None:
         key = BlockKey(meta.namespace, meta.hash, meta.parent, meta.position, meta.tokens)
         self._put(key, bytes(payload), meta.sink)
 
@@ -385,5 +407,6 @@ class DiskTier(NoTier):
             self._stop = True
             self._cond.notify_all()
         self._writer.join()
+        self._readers.shutdown()
         self.file.sync()
         self.file.close()
