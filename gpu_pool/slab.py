@@ -154,6 +154,21 @@ class Slab(ABC):
         self.__dict__["_sink_view"] = view
         return view
 
+    def block_bytes(self, block_id: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """One full block's bytes in the pool's format, zero-copy (host pools only): a uint8
+        array of bytes_per_block, or sink_bytes_per_block for a block of the sink region (its
+        quantized part, then its sink tokens). What a disk tier copies out and back."""
+        self._check_open()
+        i = as_index(block_id, "block id")
+        if not 0 <= i < self.num_full_blocks:
+            raise InvalidArgument(f"block id {i} out of range 0..{self.num_full_blocks - 1}")
+        bpb, regular = self.full_layout.bytes_per_block, self.num_regular_blocks
+        if i < regular:
+            return self._numpy_bytes()[i * bpb:(i + 1) * bpb]
+        sbpb = self.layout.sink_bytes_per_block
+        start = regular * bpb + (i - regular) * sbpb
+        return self._numpy_bytes()[start:start + sbpb]
+
     def numpy_view(self) -> np.ndarray[Any, Any]:
         """The whole slab as a numpy array, zero-copy (host pools only): same shape as `view()`;
         float32/float16 for fp32/fp16, raw bits for the rest (uint16 for bf16, uint8 for fp8,

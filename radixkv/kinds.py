@@ -210,11 +210,15 @@ class Namespace:
 
     def evict_all(self) -> list[int]:
         """Every cached id, evicted without events (the caller publishes AllBlocksCleared);
-        FailedPrecondition while a lease pins or holds anything here."""
+        FailedPrecondition while a lease (or a promotion from the disk tier) pins or holds
+        anything here."""
         if self.num_leases:
             raise FailedPrecondition(
                 f"namespace {self.name!r} has {self.num_leases} live lease(s) "
                 f"({self.tree.num_locked_blocks} blocks pinned); release them first")
+        if self.tree.num_locked_blocks:  # pinned without a lease: a promotion from disk
+            raise FailedPrecondition(f"namespace {self.name!r} has blocks coming up from the "
+                                     "disk tier; try again")
         freed = self.tree.evict(self.tree.num_cached_blocks)
         self.tree.take_events()
         return freed

@@ -10,7 +10,8 @@ they stay older than the runner-up's). Two rules on top:
 - window parts (sliding-window pools): unprotected window parts alone go first, oldest
   namespace's first, then whole leaves.
 
-`take` gives a lease the blocks made room for; `store` does both for a Match that stores the
+Evicted blocks go to the tier below the pool first (`tier.demote`; radixkv/tiers.py), if there
+is one. `take` gives a lease the blocks made room for; `store` does both for a Match that stores the
 rest of its prompt (the two-trip path), with the window parts its namespace's kind plans.
 """
 
@@ -25,13 +26,15 @@ from radixkv.index.results import MatchResult
 from radixkv.kinds import Namespace
 from radixkv.lease_table import Lease, LeaseTable
 from radixkv.namespaces import Namespaces
+from radixkv.tiers import NoTier
 from radixkv.types import LeaseMatch
 
 
 class Reclaimer:
     def __init__(self, pool: BlockPool, namespaces: Namespaces, leases: LeaseTable,
-                 events: EventLog) -> None:
+                 events: EventLog, tier: NoTier | None = None) -> None:
         self.pool = pool
+        self.tier = tier or NoTier()  # where evicted blocks go (demoted), if anywhere
         self.namespaces = namespaces
         self.leases = leases  # for the numbers of an OutOfBlocks message
         self.events = events
@@ -133,6 +136,7 @@ class Reclaimer:
                     key = ns.tree.next_victim_key()
                     if key is None or key > keyed[1][0]:
                         break
+            self.tier.demote(ns.name, freed)
             self.pool.free(freed)
             events, count = ns.evicted(freed)
             self.events.publish(ns.name, events)

@@ -27,19 +27,22 @@ insert_many) are validated whole before the first effect; a failed allocate open
 A namespace lives while it holds blocks or leases; an empty one is dropped (its lifetime
 counters stay in the service totals).
 All public methods take one lock: the tree and pool are not thread-safe, and the work per call
-is microseconds, so finer locking would not pay on CPython.
+is microseconds, so finer locking would not pay on CPython (a Match's disk reads run off it).
 
 Its parts: input checks (validation), the lease table (lease_table), the namespaces and their
-kind, full attention or sliding window (namespaces, kinds), making room (reclaim).
+kind, full attention or sliding window (namespaces, kinds), making room (reclaim), the tier
+below the pool if any (tiers; the disk tier: radixkv/disk/).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from gpu_pool.base import BlockPool, PoolHandle
 from radixkv.errors import (
@@ -52,11 +55,12 @@ from radixkv.events import EventLog
 from radixkv.index.pages import page
 from radixkv.index.policies import policy_factory
 from radixkv.index.results import InsertResult, MatchResult, NodeView
-from radixkv.kinds import kind_of
+from radixkv.kinds import Namespace, kind_of
 from radixkv.lease_table import Lease, LeaseTable
 from radixkv.namespaces import Namespaces
 from radixkv.reclaim import Reclaimer
 from radixkv.service_config import ServiceConfig
+from radixkv.tiers import NoTier
 from radixkv.tokens import block_bytes
 from radixkv.types import Allocation, DumpPage, LeaseMatch, ServiceStats
 from radixkv.validation import InputChecks, check_namespace, hint_codes
@@ -73,8 +77,10 @@ class KVService:
         pool: BlockPool,
         config: ServiceConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tier: NoTier | None = None,
     ) -> None:
         self.pool = pool
+        self._tier = tier or NoTier()  # below the pool: radixkv/tiers.py
         self.config = config or ServiceConfig()
         self.block_size = pool.layout.block_size
         self.events = EventLog(self.block_size, self.config.event_buffer)
@@ -88,7 +94,8 @@ class KVService:
             self.kind, self.block_size, pool.layout.window_blocks,
             policy_factory(self.config.policy, pool.num_full_blocks), self.config.max_namespaces)
         self._leases = LeaseTable(clock, self.config, pool.is_free, self._release_lease)
-        self._reclaim = Reclaimer(pool, self._namespaces, self._leases, self.events)
+        self._reclaim = Reclaimer(pool, self._namespaces, self._leases, self.events,
+                                  self._tier)
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
 
     def pool_handle(self) -> PoolHandle:
@@ -115,7 +122,6 @@ class KVService:
                    key_sizes: Sequence[int] | None = None,
                    client: str | None = None) -> list[LeaseMatch]:
         """Batched match, one lease per query (`ttl_s`: their TTL, None for the default).
-        `key_sizes`: per query, block keys of that many bytes instead of tokens (0: tokens).
         `client`: what the lease limits count the new leases under (None: the client id
         `owner`; the server passes the connection where it can tell them apart). Every
         query and limit is checked before the first lease opens: a failed batch changes
@@ -134,16 +140,25 @@ class KVService:
         found: list[MatchResult] = []  # the trees' matches, for the stores
         epoch = self.pool.epoch
         key = _client_key(owner, client)
+        plans = self._plan_promotions(queries)
         with self._lock:
-            names = {name for name, _ in queries}
-            self._namespaces.check_room(len([n for n in names if n not in self._namespaces]))
-            self._leases.check_room(key, len(queries), names)
-            self._namespaces.check_kinds(
-                (name, size) for (name, _), size in zip(queries, sizes, strict=True))
-            for (namespace, tokens), key_size in zip(queries, sizes, strict=True):
+            try:
+                names = {name for name, _ in queries}
+                self._namespaces.check_room(len([n for n in names
+                                                 if n not in self._namespaces]))
+                self._leases.check_room(key, len(queries), names)
+                self._namespaces.check_kinds(
+                    (name, size) for (name, _), size in zip(queries, sizes, strict=True))
+            except BaseException:
+                self._abandon(plans)
+                raise
+            for (namespace, tokens), key_size, plan in zip(queries, sizes, plans, strict=True):
                 ns = self._namespaces.open(namespace, key_size)
                 lease = self._leases.open(owner, key, ns.name, ttl)
                 ns.num_leases += 1
+                if plan is not None:  # blocks read from the tier below go in first
+                    self._tier.apply(ns, plan, functools.partial(self._make_room, ns),
+                                     self._publish)
                 m = ns.match(lease, tokens)
                 answer = ns.answer(lease.lease_id, m, epoch)
                 self._recent.append((ns.span(tokens), answer.num_tokens))
@@ -153,6 +168,26 @@ class KVService:
                 out = [self._reclaim.store(o, queries[i][1], store_tokens[i], found[i])
                        for i, o in enumerate(out)]
         return out
+
+    def _plan_promotions(self, queries: Sequence[tuple[str, bytes]]) -> list[Any]:
+        """What the tier below the pool has for each query, read off the lock (radixkv/tiers.py:
+        plan, read; `apply` puts it in the tree under the lock, before the Match)."""
+        with self._lock:
+            plans = [self._tier.plan(name, self._namespaces.get(name), tokens)
+                     for name, tokens in queries]
+        if any(p is not None for p in plans):
+            try:
+                self._tier.read([p for p in plans if p is not None])
+            except BaseException:
+                with self._lock:
+                    self._abandon(plans)
+                raise
+        return plans
+
+    def _abandon(self, plans: list[Any]) -> None:
+        for plan in plans:
+            if plan is not None:
+                self._tier.abandon(plan)
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
@@ -278,13 +313,18 @@ class KVService:
             return sum(self._leases.end(lease, hint=hint_of[lease.lease_id]) for lease in leases)
 
     def clear(self, namespace: str) -> int:
-        """Drop every cached block of `namespace` and the namespace itself; publishes
-        AllBlocksCleared. FailedPrecondition while a lease pins or holds anything in it."""
+        """Drop every cached block of `namespace` (in the pool and in the tier below) and the
+        namespace itself; publishes AllBlocksCleared. FailedPrecondition while a lease pins or
+        holds anything in it. Returns the pool blocks freed."""
         with self._lock:
             ns = self._namespaces.get(namespace)
             if ns is None:
-                raise NotFound(f"namespace {namespace!r} does not exist")
+                if not self._tier.cleared(namespace, []):  # on disk only, or nowhere
+                    raise NotFound(f"namespace {namespace!r} does not exist")
+                self.events.publish_cleared(namespace)
+                return 0
             freed = ns.evict_all()
+            self._tier.cleared(ns.name, freed)
             self.pool.free(freed)
             self._namespaces.drop(ns)
             self.events.publish_cleared(namespace)
@@ -321,6 +361,7 @@ class KVService:
                 window_blocks=pool.num_window_blocks,
                 free_window_blocks=pool.num_free_window,
                 cached_window_blocks=sum(ns.num_window_blocks for ns in self._namespaces),
+                disk=self._tier.stats(),
             )
 
     def dump_tree(self, namespace: str, max_depth: int = 0) -> tuple[list[NodeView], int]:
@@ -383,8 +424,21 @@ class KVService:
                 raise IntegrityError("per-client or per-namespace lease counts are off")
             if any(name not in self._namespaces for name in by_ns):
                 raise IntegrityError("a live lease names a namespace that was dropped")
+            self._tier.check_integrity(sum(ns.tree.num_cached_blocks for ns in self._namespaces))
+
+    def close_tier(self, write_down: bool) -> None:
+        """Stop the tier below the pool (with `write_down`, after writing the pool's cached
+        blocks to it: a clean stop); the service takes no more calls after this."""
+        with self._lock:
+            self._tier.close(write_down)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _make_room(self, ns: Namespace, num_blocks: int, sinks: int) -> int:
+        return self._reclaim.make_room(num_blocks, keep=ns, sinks=sinks)
+
+    def _publish(self, namespace: str) -> None:
+        self.events.publish(namespace, self._namespaces[namespace].tree.take_events())
 
     def _release_lease(self, lease: Lease, hint: int) -> int:
         """What ending a lease does outside the table: the hint on what it pinned, its pins
@@ -402,6 +456,8 @@ class KVService:
         ns = self._namespaces[lease.namespace]
         self._leases.touch(lease)
         result = ns.insert(lease, tokens, block_ids, hint, window_ids, pin)
+        if not ns.key_size:  # the tier below holds token-keyed namespaces (docs/disk-tier.md)
+            self._tier.inserted(ns.name, tokens, block_ids, result)
         if result.duplicates:
             self.pool.free(list(result.duplicates))
         self.events.publish(ns.name, ns.tree.take_events(), ns.key_size)

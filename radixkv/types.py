@@ -97,6 +97,25 @@ class NamespaceStats:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskStats:
+    """The disk tier below the pool (all 0 without one; radixkv/disk/tier.py)."""
+
+    capacity_blocks: int = 0
+    blocks: int = 0  # blocks on disk (hittable)
+    bytes: int = 0  # their payload bytes
+    slot_bytes: int = 0  # one slot on disk (header + payload)
+    hit_tokens: int = 0  # of the hit tokens, those promoted from disk for the hit
+    promoted_blocks: int = 0
+    demoted_blocks: int = 0
+    evicted_blocks: int = 0  # dropped from the disk tier to make room
+    verify_failures: int = 0  # slots that failed their checksum when read: a miss, never served
+    pending_writes: int = 0  # demotions whose write is queued (served from memory until done)
+    loaded_blocks: int = 0  # found on disk at start (a warm restart)
+    dropped_at_load: int = 0  # slots found torn or not verifying at start
+    generation: int = 0  # service starts on this tier's file
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceStats:
     num_blocks: int
     free_blocks: int
@@ -122,6 +141,7 @@ class ServiceStats:
     window_blocks: int = 0
     free_window_blocks: int = 0
     cached_window_blocks: int = 0
+    disk: DiskStats = DiskStats()
 
 
 @dataclass(frozen=True, slots=True)

@@ -325,6 +325,28 @@ def compare(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def disk_tier(r: dict[str, Any]) -> list[str]:
+    out = [f"The disk tier (docs/disk-tier.md): {r['preset']} blocks of "
+           f"{size(r['bytes_per_block'])}, {r['pool_blocks']}-block pool; the filesystem's "
+           "own sequential throughput measured in the same run.", ""]
+    out += table(["figure", "tier", "filesystem", "tier / filesystem"], [
+        ["demote (write-back, fsync)", f"{r['demote_GBps']:.3f} GB/s",
+         f"{r['fs_write_GBps']:.3f} GB/s", f"{r['demote_vs_fs_write']:.2f}"],
+        ["promote (Match, CRC checked)", f"{r['promote_GBps']:.3f} GB/s",
+         f"{r['fs_read_GBps']:.3f} GB/s", f"{r['promote_vs_fs_read']:.2f}"]])
+    out += ["", f"Warm restart: {r['loaded_after_restart']} of {r['cached_before_restart']} "
+            f"blocks loaded, hit fraction {r['warm_restart_hit_fraction']:.3f}, "
+            f"{r['wrong_blocks']} wrong blocks."]
+    if "ttft_disk_ms" in r:
+        out += ["", f"TTFT, {r['model']}, {r['prompt_tokens']}-token prompt, "
+                f"{r['cached_pct']} % cached, median of {r['repeat']}:", ""]
+        out += table(["cached prefix", "TTFT ms", "ratio to no cache"], [
+            ["none", f"{r['ttft_no_cache_ms']:.0f}", "1.000"],
+            ["in memory", f"{r['ttft_memory_ms']:.0f}", f"{r['ttft_ratio_memory_90']:.3f}"],
+            ["on disk", f"{r['ttft_disk_ms']:.0f}", f"{r['ttft_ratio_disk_90']:.3f}"]])
+    return out
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -346,6 +368,7 @@ SECTIONS = (
     Section("cluster_policy", "Eviction on a cluster's members: the default against LRU",
             cluster_policy),
     Section("compare", "Comparing two commits: the regression bench", compare),
+    Section("disk_tier", "The disk tier: demote, promote, warm restart, TTFT", disk_tier),
 )
 
 

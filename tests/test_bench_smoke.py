@@ -37,6 +37,14 @@ def test_bench_prints_json(args):
     json.loads(run(str(BENCH / args[0]), *args[1:]))
 
 
+def test_disk_tier_bench_io_figures():
+    """bench/disk_tier.py's I/O half at its smallest (the TTFT half needs SmolLM2)."""
+    report = json.loads(run(str(BENCH / "disk_tier.py"), "--no-model", "--prompts", "6",
+                            "--pool-blocks", "32", "--preset", "smollm2-135m", "--json"))
+    assert report["warm_restart_hit_fraction"] == 1.0 and report["wrong_blocks"] == 0
+    assert report["demote_vs_fs_write"] > 0 and report["promote_vs_fs_read"] > 0
+
+
 def test_workload_to_tree_replay(tmp_path):
     trace = tmp_path / "w.jsonl"
     run(str(BENCH / "gen_workload.py"), "--requests", "40", "--out", str(trace))

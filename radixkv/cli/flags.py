@@ -8,7 +8,7 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
-from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout
+from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
 from radixkv.errors import InvalidArgument
 from radixkv.index.policies import DEFAULT_POLICY, POLICIES
 
@@ -165,3 +165,37 @@ def etcd_security_from_args(args: argparse.Namespace) -> Any:
     return EtcdSecurity(ca=args.etcd_ca or env.get("ca"), cert=args.etcd_cert,
                         key=args.etcd_key, user=args.etcd_user or env.get("user"),
                         password=password)
+
+
+def add_disk_flags(p: argparse.ArgumentParser) -> None:
+    """`radixkv serve`'s disk tier flags (radixkv/disk/)."""
+    g = p.add_argument_group("disk tier (docs/disk-tier.md)")
+    g.add_argument("--disk-dir", metavar="DIR",
+                   help="a tier below the pool in DIR (an existing directory of this user on a "
+                   "local filesystem): blocks the pool evicts are written there and stay "
+                   "hittable (a Match promotes them back); a clean stop writes the pool's "
+                   "cached blocks down, and a start on the same DIR serves them again")
+    d = g.add_mutually_exclusive_group()
+    d.add_argument("--disk-capacity", metavar="SIZE",
+                   help="the tier's file size, e.g. 100GiB (preallocated at start)")
+    d.add_argument("--disk-capacity-blocks", type=positive_int, metavar="N",
+                   help="the tier's size in blocks (instead of --disk-capacity)")
+    g.add_argument("--disk-promote-blocks", type=positive_int, default=1 << 20, metavar="N",
+                   help="the most blocks one Match query brings up from disk (default: all "
+                   "that continue its cached prefix)")
+
+
+def disk_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig's disk tier fields from the serve flags (InvalidArgument: exit 2)."""
+    if not args.disk_dir:
+        if args.disk_capacity or args.disk_capacity_blocks:
+            raise InvalidArgument("--disk-capacity needs --disk-dir")
+        return {}
+    if not (args.disk_capacity or args.disk_capacity_blocks):
+        raise InvalidArgument("--disk-dir needs --disk-capacity SIZE or --disk-capacity-blocks N")
+    try:
+        size = parse_bytes(args.disk_capacity) if args.disk_capacity else None
+    except Exception as e:  # gpu_pool's InvalidArgument: the unreadable size
+        raise InvalidArgument(f"--disk-capacity: {e}") from None
+    return {"disk_dir": args.disk_dir, "disk_capacity_blocks": args.disk_capacity_blocks,
+            "disk_capacity_bytes": size, "disk_promote_blocks": args.disk_promote_blocks}

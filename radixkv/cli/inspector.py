@@ -69,6 +69,17 @@ def summary(kv: Client) -> dict[str, Any]:
     if s.get("window_blocks"):  # sliding-window pool: block ids are full or window parts
         window = {"window_parts": {"total": s["window_blocks"], "free": s["free_window_blocks"],
                                    "cached": s["cached_window_blocks"]}}
+    disk = s.get("disk") or {}
+    if disk.get("capacity_blocks"):  # the tiers: where the hits, blocks and bytes are
+        window["tiers"] = {
+            "memory": {"hit_tokens": s["hit_tokens"] - disk["hit_tokens"],
+                       "blocks": s["cached_blocks"],
+                       "bytes": s["cached_blocks"] * layout["bytes_per_block"]},
+            "disk": {"hit_tokens": disk["hit_tokens"], "blocks": disk["blocks"],
+                     "bytes": disk["bytes"], **{k: disk[k] for k in (
+                         "capacity_blocks", "demoted_blocks", "promoted_blocks",
+                         "evicted_blocks", "verify_failures", "loaded_blocks",
+                         "dropped_at_load", "generation")}}}
     return {
         "target": kv.target, "epoch": s["epoch"], "uptime_s": round(s["uptime_s"], 3),
         "pool": {"backend": s["backend"], "layout": layout, "blocks": blocks,
@@ -154,6 +165,13 @@ def render_summary(d: dict[str, Any]) -> Any:
         what = "lifetime" if span == "lifetime" else f"last {h['requests']}"
         head.add_row(f"hit rate ({what})", f"{_pct(h['rate'])}: {h['hit_tokens']} of "
                      f"{h['query_tokens']} tokens, {h['requests']} requests")
+    if "tiers" in d:
+        mem, disk = d["tiers"]["memory"], d["tiers"]["disk"]
+        head.add_row("disk tier", f"{disk['blocks']} of {disk['capacity_blocks']} blocks "
+                     f"({_size(disk['bytes'])}); hits: {mem['hit_tokens']} tokens in memory, "
+                     f"{disk['hit_tokens']} from disk; {disk['demoted_blocks']} demoted, "
+                     f"{disk['promoted_blocks']} promoted, {disk['evicted_blocks']} dropped, "
+                     f"{disk['verify_failures']} failed their checksum")
     head.add_row("evictions", f"{d['evicted_blocks']} blocks")
     head.add_row("leases", f"{d['leases']['live']} live, {d['leases']['expired']} expired")
     spaces = Table(box=box.SIMPLE_HEAD)

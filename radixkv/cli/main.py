@@ -12,10 +12,12 @@ from typing import Any
 from gpu_pool.layout import parse_bytes
 from radixkv.cli.flags import (
     add_connection_flags,
+    add_disk_flags,
     add_etcd_flags,
     add_layout_flags,
     add_policy_flag,
     add_sink_fraction_flag,
+    disk_settings,
     etcd_security_from_args,
     layout_from_args,
     positive_float,
@@ -82,7 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
         cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
-        cluster_ttl_s=args.cluster_ttl, etcd_security=etcd_security_from_args(args))
+        cluster_ttl_s=args.cluster_ttl, etcd_security=etcd_security_from_args(args),
+        **disk_settings(args))
     if args.cluster and not args.node_id:
         raise SystemExit("radixkv serve: --cluster needs --node-id")
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
@@ -207,6 +210,7 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--num-window-blocks", type=positive_int, metavar="N",
                    help="sliding-window layouts with --num-blocks: exactly N window parts "
                         "(instead of --window-fraction)")
+    add_disk_flags(p)
     g = p.add_argument_group("service")
     g.add_argument("--lease-ttl", type=positive_float, default=None,
                    help="seconds a lease lives without use before its pins are dropped "

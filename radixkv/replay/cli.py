@@ -77,6 +77,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reference", action="store_true",
                    help="also replay on one node of N x --capacity-blocks (with --nodes) and "
                    "report the cluster's hit rate against it")
+    g = p.add_argument_group("disk tier (docs/disk-tier.md)")
+    g.add_argument("--disk-capacity-blocks", type=int, default=0, metavar="N",
+                   help="give the started service a disk tier of N blocks below its "
+                   "--capacity-blocks pool (0, default: none)")
+    g.add_argument("--disk-dir", metavar="DIR",
+                   help="the disk tier's directory (default: a temporary one)")
+    g.add_argument("--disk-read-gbps", type=float, default=2.0, metavar="GB/S",
+                   help="the disk read bandwidth the disk hits are priced at, with --preset's "
+                   "KV bytes per token in --kv-dtype (default 2.0, an assumed local NVMe; "
+                   "give yours, e.g. bench/disk_tier.py's fs_read_GBps)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not write and check block bytes (on by default)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S,
@@ -139,6 +149,20 @@ def _is_mooncake(path: str) -> bool:
     return False
 
 
+def disk_tier(args: argparse.Namespace) -> tuple[str, int] | None:
+    """The replayed service's disk tier (directory, blocks) from the flags, or None."""
+    if args.disk_capacity_blocks < 0:
+        raise InvalidArgument("--disk-capacity-blocks must be >= 0")
+    if not args.disk_capacity_blocks:
+        if args.disk_dir:
+            raise InvalidArgument("--disk-dir needs --disk-capacity-blocks")
+        return None
+    if args.target or args.router or args.nodes:
+        raise InvalidArgument("--disk-capacity-blocks gives the service the replay starts a "
+                              "disk tier (not --target, --router or --nodes)")
+    return (args.disk_dir or "", args.disk_capacity_blocks)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `radixkv replay` from parsed flags."""
     if args.trace == "synthetic":
@@ -171,9 +195,19 @@ def main(args: argparse.Namespace) -> int:
         num_windows=args.windows, progress=True,
         trace_name=args.trace, nodes=args.nodes, router=args.router, routing=args.routing,
         kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints,
-        window=window, conversations=args.conversations)
+        window=window, conversations=args.conversations,
+        disk=disk_tier(args))
     if note:
         report = replace(report, notes=(*report.notes, note))
+    if report.disk is not None:
+        from gpu_pool.layout import KVLayout
+
+        layout = KVLayout.from_preset(args.preset, None, block_size)
+        if args.kv_dtype != layout.dtype:
+            layout = layout.with_dtype(args.kv_dtype, 0)
+        report = replace(report, disk=replace(
+            report.disk, read_bytes_per_token=layout.bytes_per_block // block_size,
+            read_GBps=args.disk_read_gbps))
     paths = write_plots(report, args.plots) if args.plots else []
     if args.json:
         out = report.to_dict()

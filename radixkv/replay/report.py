@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.replay.disk import DiskFigures
 from radixkv.replay.optimum import belady, ceiling
 
 
@@ -111,6 +112,7 @@ class ReplayReport:
     window_parts: int = 0  # a sliding-window pool's window parts (capacity_blocks: full parts)
     conversations: int = 0  # with conversations counted: chains of prompts in the trace
     conversations_held: int = 0  # ... whose last prompt is cached whole at the end
+    disk: DiskFigures | None = None  # the service's disk tier, if it has one
 
     # prefill saved: every hit token is one the engine does not recompute
     @property
@@ -145,6 +147,8 @@ class ReplayReport:
                                               if c.reference_token_hit_rate else None))
         out["windows"] = [asdict(w) for w in self.windows]
         out["mismatch_examples"] = list(self.mismatch_examples)
+        out["verify_mismatches"] = self.mismatches
+
         out["notes"] = list(self.notes)
         no_cache, cached, optimum = self.mean_ttft_ms
         out["prefill_saved"] = {
@@ -154,6 +158,8 @@ class ReplayReport:
             "mean_ttft_ms": cached,
             "mean_ttft_ms_optimum": optimum,
         }
+        if self.disk is not None:
+            self.disk.add_to(out, self.hit_tokens, self.prompt_tokens, self.ttft_saved_s)
         return out
 
 
@@ -293,6 +299,8 @@ def render_report(report: ReplayReport) -> Any:
     if r.conversations:
         head.add_row("conversations", f"{r.conversations_held:,} of {r.conversations:,} held "
                      "whole at the end (their last prompt resumable)")
+    if r.disk is not None:
+        head.add_row("tiers", r.disk.line(r.hit_tokens, r.prompt_tokens))
     verdict = ("[green]0 mismatches[/]" if not r.mismatches else
                f"[bold red]{r.mismatches:,} MISMATCHES[/]")
     head.add_row("verification", f"{r.verified_blocks:,} hit blocks checked: {verdict}"

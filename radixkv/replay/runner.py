@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import multiprocessing as mp
+import os
 import tempfile
 import threading
 import time
@@ -61,6 +62,7 @@ from radixkv.replay.cluster import (
     service_flags,
     start_cluster,
 )
+from radixkv.replay.disk import DiskFigures
 from radixkv.replay.hints import trace_hints
 from radixkv.replay.jobs import ReplayOptions, collect, conversations_held, count_requests, feed
 from radixkv.replay.report import (
@@ -90,6 +92,7 @@ MOONCAKE_BLOCK_SIZE = 512
 def start_service(
     block_size: int, capacity_blocks: int, policy: str = DEFAULT_POLICY,
     sink_fraction: float = 0.0, window: ReplayWindow | None = None,
+    disk: tuple[str, int] | None = None,
 ) -> Iterator[str]:
     """Run `radixkv serve` with a tiny layout on a temporary socket; yield the socket path.
     `sink_fraction` > 0 gives the pool a sink region of that share, as a quantized pool with
@@ -97,6 +100,10 @@ def start_service(
     with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
         flags = service_flags(directory, block_size, capacity_blocks, policy, sink_fraction,
                               window)
+        if disk is not None:  # (directory or "" for a temporary one, blocks)
+            disk_dir = disk[0] or os.path.join(directory, "disk")
+            os.makedirs(disk_dir, exist_ok=True)
+            flags += ("--disk-dir", disk_dir, "--disk-capacity-blocks", str(disk[1]))
         with server_process(*flags) as server:
             yield server.socket
 
@@ -129,6 +136,7 @@ def run_replay(
     hints: bool = False,
     window: ReplayWindow | None = None,
     conversations: bool = False,
+    disk: tuple[str, int] | None = None,
 ) -> ReplayReport:
     """Replay `requests` (Requests, or a Mooncake / token JSONL path, streamed) against the
     service at `target`, or against one started for the run with `block_size`,
@@ -145,7 +153,8 @@ def run_replay(
     sliding-window model (capacity_blocks full parts beside window.window_parts window parts;
     two round trips only). `conversations`: at the end, count the conversations whose last
     prompt is still cached whole (ReplayReport.conversations_held; one more pass over the
-    trace)."""
+    trace). `disk`: the started service gets a disk tier (its directory, "" for a temporary
+    one, and its capacity in blocks; radixkv/disk/)."""
     if clients < 1:
         raise InvalidArgument(f"clients must be >= 1, got {clients}")
     if round_trips not in (2, 4):
@@ -198,7 +207,10 @@ def run_replay(
         return report
     if target is not None:
         return _run(source(), target, None, opts, None, again)
-    with start_service(block_size, capacity_blocks, policy, sink_fraction, window) as sock:
+    if disk is not None and (nodes or window):
+        raise InvalidArgument("a disk tier replay runs on one full-attention service")
+    with start_service(block_size, capacity_blocks, policy, sink_fraction, window,
+                       disk) as sock:
         return _run(source(), sock, (block_size, capacity_blocks), opts, None, again)
 
 
@@ -296,6 +308,12 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
         report = replace(report, conversations=held[0], conversations_held=held[1])
     if window_blocks:
         report = replace(report, window_parts=int(after["window_blocks"]))
+    d0, d1 = before.get("disk") or {}, after.get("disk") or {}
+    if d1.get("capacity_blocks"):
+        report = replace(report, disk=DiskFigures(
+            int(d1["capacity_blocks"]), *(int(d1[k]) - int(d0.get(k, 0)) for k in (
+                "hit_tokens", "demoted_blocks", "promoted_blocks", "evicted_blocks",
+                "verify_failures"))))
     if cluster is None:
         return report
     counts: dict[str, int] = {}

@@ -28,6 +28,7 @@ from radixkv.server.metrics import Metrics
 from radixkv.server.servicer import SERVICE_NAME, Servicer
 from radixkv.server.unix_socket import claim_socket, release_socket
 from radixkv.service import KVService
+from radixkv.tiers import NoTier
 from radixkv.v1 import radixkv_pb2, radixkv_pb2_grpc
 
 log = logging.getLogger("radixkv.server.app")
@@ -64,7 +65,7 @@ class RadixKVServer:
                                 num_window_blocks=config.num_window_blocks,
                                 window_fraction=config.window_fraction)
         try:
-            self.service = KVService(self.pool, config.service)
+            self.service = KVService(self.pool, config.service, tier=self._open_tier())
             self._server = self._build()
         except BaseException:
             self.pool.close()
@@ -73,6 +74,22 @@ class RadixKVServer:
         self.addresses: list[str] = []
         self.metrics_url: str | None = None
         self.registration: Any = None  # radixkv.cluster.membership.Registration, with --cluster
+
+    def _open_tier(self) -> NoTier | None:
+        """The disk tier on --disk-dir (its index rebuilt from the file), or None."""
+        cfg = self.config
+        if not cfg.disk_dir:
+            return None
+        from radixkv.disk.directory import blocks_in, open_disk_tier
+
+        blocks = cfg.disk_capacity_blocks
+        if blocks is None:
+            blocks = blocks_in(self.pool, cfg.disk_capacity_bytes or 0)
+        tier = open_disk_tier(self.pool, cfg.disk_dir, blocks, cfg.disk_promote_blocks)
+        s = tier.stats()
+        log.info("disk tier on %s: %d slots of %d bytes, generation %d, %d blocks loaded",
+                 cfg.disk_dir, s.capacity_blocks, s.slot_bytes, s.generation, s.loaded_blocks)
+        return tier
 
     def _build(self) -> grpc.Server:
         cfg = self.config
@@ -193,6 +210,7 @@ class RadixKVServer:
         path = self.config.socket_path
         if self._lock_file is not None and path:
             release_socket(path, self._lock_file)
+        self.service.close_tier(write_down=True)  # a clean stop: the pool's cache goes down
         self.pool.close()
         log.info("radixkv stopped")
 

@@ -42,6 +42,12 @@ class ServerConfig:
     advertise: str | None = None  # the address members publish (default: the first bound)
     cluster_ttl_s: int = 5  # the etcd lease of the registration: a crashed member expires
     etcd_security: EtcdSecurity = NO_SECURITY  # TLS and auth toward etcd
+    # the disk tier below the pool (radixkv/disk/): its directory, size in blocks (None: as
+    # many as disk_capacity_bytes hold), and the blocks one Match may promote
+    disk_dir: str | None = None
+    disk_capacity_blocks: int | None = None
+    disk_capacity_bytes: int | None = None
+    disk_promote_blocks: int = 1 << 20
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
     @classmethod

@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 
 from radixkv.errors import AlreadyExists, InvalidArgument
 from radixkv.service import KVService
+from radixkv.types import ServiceStats
 from radixkv.v1 import radixkv_pb2
 
 # RPCs take tens of microseconds to a few milliseconds; the default buckets start at 5 ms.
@@ -99,6 +100,36 @@ class ServiceCollector(Collector):
                                   "number)", value=self.service.events.last_sequence)
         yield GaugeMetricFamily("radixkv_uptime_seconds", "Seconds since the service started",
                                 value=s.uptime_s)
+        if s.disk.capacity_blocks:
+            yield from self._disk(s)
+
+    @staticmethod
+    def _disk(s: ServiceStats) -> Iterator[Metric]:
+        """The tiers (pool, disk): hits, blocks and bytes of each; the disk tier's traffic."""
+        d, bpb = s.disk, s.layout.bytes_per_block
+        hits = CounterMetricFamily("radixkv_tier_hits", "Hit tokens by the tier they were "
+                                   "found in (disk: promoted for the hit)", labels=["tier"])
+        hits.add_metric(["memory"], s.hit_tokens - d.hit_tokens)
+        hits.add_metric(["disk"], d.hit_tokens)
+        yield hits
+        blocks = GaugeMetricFamily("radixkv_tier_blocks", "Cached blocks by tier",
+                                   labels=["tier"])
+        blocks.add_metric(["memory"], s.cached_blocks)
+        blocks.add_metric(["disk"], d.blocks)
+        yield blocks
+        size = GaugeMetricFamily("radixkv_tier_bytes", "Cached KV bytes by tier", labels=["tier"])
+        size.add_metric(["memory"], s.cached_blocks * bpb)
+        size.add_metric(["disk"], d.bytes)
+        yield size
+        yield GaugeMetricFamily("radixkv_disk_capacity_blocks", "Slots of the disk tier",
+                                value=d.capacity_blocks)
+        for name, value, what in (
+                ("demoted_blocks", d.demoted_blocks, "Blocks the pool evicted to the disk tier"),
+                ("promoted_blocks", d.promoted_blocks, "Blocks brought back from disk by a Match"),
+                ("disk_evicted_blocks", d.evicted_blocks, "Blocks dropped from a full disk tier"),
+                ("disk_verify_failures", d.verify_failures,
+                 "Disk slots that failed their checksum when read (a miss)")):
+            yield CounterMetricFamily(f"radixkv_{name}", what, value=value)
 
 
 class Metrics:

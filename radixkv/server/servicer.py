@@ -247,9 +247,10 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         integrity = self._integrity() if request.check_integrity else ""
         # ServiceStats and NamespaceStats name their fields as the proto does
         counters = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
-                    if f.name not in ("namespaces", "layout")}
+                    if f.name not in ("namespaces", "layout", "disk")}
         return pb.StatsResponse(
             **counters, integrity=integrity, layout=layout_pb(s.layout),
+            disk=pb.DiskStats(**dataclasses.asdict(s.disk)),
             namespaces=[pb.NamespaceStats(**dataclasses.asdict(n),
                                           cached_tokens=n.cached_blocks * bs)
                         for n in s.namespaces])

@@ -285,7 +285,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence", "window_blocks", "free_window_blocks", "cached_window_blocks")
+    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence", "window_blocks", "free_window_blocks", "cached_window_blocks", "disk")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class StatsResponse(_message.Message):
     WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     backend: str
     layout: KVLayout
     num_blocks: int
@@ -334,7 +335,38 @@ class StatsResponse(_message.Message):
     window_blocks: int
     free_window_blocks: int
     cached_window_blocks: int
-    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ..., window_blocks: _Optional[int] = ..., free_window_blocks: _Optional[int] = ..., cached_window_blocks: _Optional[int] = ...) -> None: ...
+    disk: DiskStats
+    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ..., window_blocks: _Optional[int] = ..., free_window_blocks: _Optional[int] = ..., cached_window_blocks: _Optional[int] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ...) -> None: ...
+
+class DiskStats(_message.Message):
+    __slots__ = ("capacity_blocks", "blocks", "bytes", "slot_bytes", "hit_tokens", "promoted_blocks", "demoted_blocks", "evicted_blocks", "verify_failures", "pending_writes", "loaded_blocks", "dropped_at_load", "generation")
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_AT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    capacity_blocks: int
+    blocks: int
+    bytes: int
+    slot_bytes: int
+    hit_tokens: int
+    promoted_blocks: int
+    demoted_blocks: int
+    evicted_blocks: int
+    verify_failures: int
+    pending_writes: int
+    loaded_blocks: int
+    dropped_at_load: int
+    generation: int
+    def __init__(self, capacity_blocks: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., verify_failures: _Optional[int] = ..., pending_writes: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., dropped_at_load: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class DumpTreeRequest(_message.Message):
     __slots__ = ("namespace", "max_depth", "page_size", "cursor")

@@ -1,0 +1,1 @@
+"""The disk tier below the pool (radixkv/disk/tier.py)."""

@@ -1,0 +1,144 @@
+"""Which blocks the disk tier holds, in which slot, and which goes first when it is full.
+
+A block on disk is known by its namespace and chain hash (radixkv/disk/slots.py `chain_hash`:
+its parent's hash and its own tokens), so a Match that leaves the pool's tree at block k finds
+the blocks k, k+1, ... of its prompt on disk by hashing them, and the entries link to their
+parents by hash: the disk tier's tree.
+
+Eviction: least recently demoted first. A block comes to disk when the pool's policy evicts it
+(so demotion order is already the pool policy's order, recency and frequency included), and
+leaves it when a Match promotes it back; nothing touches a block while it is on disk. The pool
+evicts a leaf's tail first, so a block is demoted before its parent and, on disk, goes before
+it too: the disk tier drops leaves first without a second policy to keep in step. (A block
+whose parent went first stays until its turn; nothing can reach it.)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from radixkv.disk.slots import SlotMeta
+
+Key = tuple[str, bytes]  # (namespace, chain hash)
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    meta: SlotMeta
+    slot: int
+    staging: bytes | None = None  # the payload while its write is queued (write-back)
+
+
+class DiskIndex:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
+        self._lru: OrderedDict[Key, Entry] = OrderedDict()  # oldest demotion first
+        self._per_ns: dict[str, int] = {}
+        self._reserved = 0  # slots of entries taken out for a promotion
+        self.payload_bytes = 0  # of the entries held
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lru
+
+    def get(self, key: Key) -> Entry | None:
+        return self._lru.get(key)
+
+    def has_namespace(self, namespace: str) -> bool:
+        return namespace in self._per_ns
+
+    def entries(self) -> list[Entry]:
+        return list(self._lru.values())
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def add(self, meta: SlotMeta, staging: bytes | None,
+            slot: int | None = None) -> tuple[Entry, list[Entry]]:
+        """A new newest entry (in `slot`, else a free one, evicting the oldest entries when none
+        is free). Returns it and the entries evicted for it. The caller made sure the key is
+        not held."""
+        evicted = []
+        if slot is None:
+            while not self._free:
+                evicted.append(self._pop_oldest())
+            slot = self._free.pop()
+        entry = Entry(meta, slot, staging)
+        self._lru[(meta.namespace, meta.hash)] = entry
+        self._count(entry)
+        return entry, evicted
+
+    def _count(self, entry: Entry) -> None:
+        self._per_ns[entry.meta.namespace] = self._per_ns.get(entry.meta.namespace, 0) + 1
+        self.payload_bytes += entry.meta.payload_len
+
+    def load(self, found: list[tuple[int, SlotMeta]]) -> None:
+        """Fill an empty index with (slot, meta) found on disk, oldest first."""
+        held = {slot for slot, _ in found}
+        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in held]
+        for slot, meta in found:
+            self.add(meta, None, slot=slot)
+
+    def _pop_oldest(self) -> Entry:
+        _, entry = self._lru.popitem(last=False)
+        self._forget(entry)
+        self._free.append(entry.slot)
+        return entry
+
+    def _forget(self, entry: Entry) -> None:
+        ns = entry.meta.namespace
+        self.payload_bytes -= entry.meta.payload_len
+        left = self._per_ns[ns] - 1
+        if left:
+            self._per_ns[ns] = left
+        else:
+            del self._per_ns[ns]
+
+    def take(self, key: Key) -> Entry:
+        """Out of the index for a promotion; its slot stays reserved until `release` (or
+        `restore` puts it back)."""
+        entry = self._lru.pop(key)
+        self._forget(entry)
+        self._reserved += 1
+        return entry
+
+    def restore(self, entry: Entry) -> None:
+        """A taken entry back, as the newest."""
+        self._reserved -= 1
+        self._lru[(entry.meta.namespace, entry.meta.hash)] = entry
+        self._count(entry)
+
+    def release(self, entry: Entry) -> None:
+        """A taken entry's slot is free again."""
+        self._reserved -= 1
+        self._free.append(entry.slot)
+
+    def drop(self, key: Key) -> Entry | None:
+        entry = self._lru.pop(key, None)
+        if entry is not None:
+            self._forget(entry)
+            self._free.append(entry.slot)
+        return entry
+
+    def drop_namespace(self, namespace: str) -> list[Entry]:
+        keys = [k for k in self._lru if k[0] == namespace]
+        return [e for k in keys if (e := self.drop(k)) is not None]
+
+    def check(self) -> str | None:
+        """None, or the first invariant that fails: every slot held, free or reserved once."""
+        held = [e.slot for e in self._lru.values()]
+        if len(held) + len(self._free) + self._reserved != self.capacity:
+            return (f"disk slots: {len(held)} held + {len(self._free)} free + {self._reserved} "
+                    f"promoting != {self.capacity}")
+        if len(set(held) | set(self._free)) != len(held) + len(self._free):
+            return "a disk slot is both held and free, or held twice"
+        if sum(self._per_ns.values()) != len(self._lru):
+            return "per-namespace disk counts are off"
+        if sum(e.meta.payload_len for e in self._lru.values()) != self.payload_bytes:
+            return "the disk tier's byte count is off"
+        return None

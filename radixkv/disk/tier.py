@@ -1,0 +1,412 @@
+"""The disk tier below the pool: write-back demotion, promotion inside Match, warm restart.
+
+    pool (memory tier) --evicted by the pool's policy--> demote --> disk slot (write-back)
+    disk slot --a Match whose prefix continues there--> promote --> pool blocks in the tree
+    disk slot --the disk tier is full--> dropped (least recently demoted first: disk/index.py)
+
+Every cached block is in exactly one tier: in a namespace's tree (memory) or in the disk index
+(disk), never both; `check_integrity` proves it with the pool's free / leased / cached count.
+
+Demote copies the block's bytes out of the pool (a memcpy, under the service lock) and queues
+the write: a writer thread computes the CRC and writes batches of slots with os.pwritev, off
+the service lock. Until its write is done a demoted block is served from that copy, so it is
+hittable from the moment it leaves the pool.
+
+Promote (the contract): a Match whose prompt continues past the pool's cached prefix into
+blocks on disk brings up to `promote_blocks` of them into pool blocks (evicting, so demoting,
+as an Allocate would), checks each slot's CRC, inserts them in the tree and only then matches;
+the lease pins them like any hit, so an engine never reads a block whose promotion has not
+completed. A slot that fails its check is dropped and counted (`verify_failures`): the Match
+stops there, a miss, never wrong KV. Reads are os.preadv straight into the pool block, under
+the service lock (one Match's blocks, in order).
+
+Warm restart: `close(write_down=True)` (SIGTERM) writes every cached pool block to a slot and
+fsyncs; the next start on the same directory scans the slot headers (`meta_crc`, the chain
+hash recomputed from the parent's hash and the tokens, the generation) and rebuilds the index,
+so the first Match of a prompt promotes it. After a crash the same scan runs: a torn slot fails
+a check and is dropped; a complete one is served only after its full CRC verifies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpu_pool.base import BlockPool
+from radixkv.disk.index import DiskIndex, Entry, Key
+from radixkv.disk.slots import FILE_NAME, ZERO_HASH, SlotFile, SlotMeta, chain_hash
+from radixkv.errors import IntegrityError, OutOfBlocks
+from radixkv.index.results import InsertResult
+from radixkv.kinds import Namespace
+from radixkv.tiers import MakeRoom, NoTier, Publish
+from radixkv.tokens import block_bytes
+from radixkv.types import DiskStats
+
+log = logging.getLogger("radixkv.disk")
+
+WRITE_BATCH = 64  # slots per writer pass
+MAX_PENDING = 1024  # queued demotions before a demotion waits for the writer
+MAX_SPARE = 64  # read buffers kept for the next promotions
+READERS = 4  # threads reading one promotion's blocks
+
+
+@dataclass(slots=True, eq=False)
+class Promotion:
+    """One Match query's blocks on their way up from disk (DiskTier.plan, read, apply)."""
+
+    ns: Namespace | None  # None: the namespace had no tree when planned
+    tokens: bytes
+    cached: int  # blocks of the prompt cached in the pool when planned (pinned by `handle`)
+    handle: object
+    taken: list[Entry]
+    payloads: list[bytes | memoryview] = field(default_factory=list)
+    failed: bool = False  # the entry after the payloads failed its check
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """What the tier knows of a pool block: enough to write its slot."""
+
+    namespace: str
+    hash: bytes
+    parent: bytes
+    position: int
+    tokens: bytes
+
+
+class DiskTier(NoTier):
+    def __init__(self, pool: BlockPool, directory: str, capacity_blocks: int,
+                 promote_blocks: int = 1 << 20) -> None:
+        self.pool = pool
+        self.block_size = pool.layout.block_size
+        self._bb = block_bytes(self.block_size)
+        self.promote_blocks = promote_blocks
+        self.file = SlotFile(os.path.join(directory, FILE_NAME), pool.layout, capacity_blocks)
+        self.index = DiskIndex(capacity_blocks)
+        self._mem: dict[int, BlockKey] = {}  # pool block id -> its key (cached blocks)
+        self._seq = 0
+        self._spare: list[bytearray] = []  # read buffers (list.pop / append: atomic)
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="disk-reader")
+        self._counts = dict(hit_tokens=0, promoted_blocks=0, demoted_blocks=0,
+                            evicted_blocks=0, verify_failures=0, loaded_blocks=0,
+                            dropped_at_load=0)
+        self._load()
+        self._queue: deque[tuple[int, Entry | None]] = deque()  # (slot, entry | tombstone)
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- start: rebuild the index from the slots ------------------------------------------
+
+    def _load(self) -> None:
+        found: dict[Key, tuple[int, SlotMeta]] = {}
+        dropped = 0
+        for slot, meta in self.file.scan():
+            if meta is None:
+                dropped += self._was_written(slot)
+                continue
+            if chain_hash(meta.parent, meta.namespace, meta.tokens) != meta.hash:
+                dropped += 1
+                continue
+            key = (meta.namespace, meta.hash)
+            old = found.get(key)
+            if old is None or (old[1].generation, old[1].seq) < (meta.generation, meta.seq):
+                found[key] = (slot, meta)
+        self.index.load(sorted(found.values(), key=lambda f: (f[1].generation, f[1].seq)))
+        self._counts["loaded_blocks"] = len(found)
+        self._counts["dropped_at_load"] = dropped
+        if found or dropped:
+            log.info("disk tier %s: %d blocks loaded, %d slots dropped (torn or not verifying)",
+                     self.file.path, len(found), dropped)
+
+    def _was_written(self, slot: int) -> int:
+        """1 if an unreadable slot holds anything (a torn or corrupt write), 0 if empty."""
+        head = os.pread(self.file.fd, 64, self.file.offset(slot))
+        return int(bool(head.strip(b"\0")))
+
+    # ---- the hooks ------------------------------------------------------------------------
+
+    def inserted(self, namespace: str, tokens: bytes, block_ids: Sequence[int],
+                 result: InsertResult) -> None:
+        if not result.adopted:
+            return
+        first = result.num_cached_tokens // self.block_size
+        parent = ZERO_HASH
+        if first:
+            known = self._mem.get(block_ids[first - 1])
+            parent = known.hash if known is not None else self._chain(namespace, tokens, first)
+        self._learn(namespace, tokens, first, result.adopted, parent)
+
+    def _chain(self, namespace: str, tokens: bytes, end: int) -> bytes:
+        h, bb = ZERO_HASH, self._bb
+        for i in range(end):
+            h = chain_hash(h, namespace, tokens[i * bb:(i + 1) * bb])
+        return h
+
+    def _learn(self, namespace: str, tokens: bytes, first: int, ids: Sequence[int],
+               parent: bytes) -> None:
+        """Keys for pool blocks `ids` holding blocks first, first+1, ... of `tokens`; a copy of
+        one of them on disk is dropped (a block is in one tier)."""
+        bb = self._bb
+        for i, b in enumerate(ids, first):
+            tok = tokens[i * bb:(i + 1) * bb]
+            h = chain_hash(parent, namespace, tok)
+            self._mem[b] = BlockKey(namespace, h, parent, i, tok)
+            if len(self.index):
+                self._free(self.index.drop((namespace, h)))
+            parent = h
+
+    def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            key = self._mem.pop(b, None)
+            if key is not None:
+                self._put(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b))
+                self._counts["demoted_blocks"] += 1
+
+    def _put(self, key: BlockKey, payload: bytes, sink: bool) -> None:
+        if self._error is not None:  # the writer failed (logged): the block is dropped
+            self._counts["evicted_blocks"] += 1
+            return
+        self._seq += 1
+        meta = SlotMeta(key.namespace, key.hash, key.parent, key.position, key.tokens,
+                        len(payload), sink and self.pool.num_sink_blocks > 0,
+                        self.file.generation, self._seq)
+        self._free(self.index.drop((key.namespace, key.hash)))
+        entry, evicted = self.index.add(meta, payload)
+        self._counts["evicted_blocks"] += len(evicted)
+        self._enqueue(entry.slot, entry)
+
+    def _free(self, entry: Entry | None) -> None:
+        """A slot left the index: its header is zeroed (queued), so a restart does not bring
+        back a block that was promoted, dropped or cleared. (A crash before that write lands
+        brings it back: its bytes are still that prefix's KV.)"""
+        if entry is not None:
+            self._enqueue(entry.slot, None)
+
+    def _enqueue(self, slot: int, entry: Entry | None) -> None:
+        with self._cond:
+            while len(self._queue) >= MAX_PENDING and self._error is None:
+                self._cond.wait(1.0)
+            self._queue.append((slot, entry))
+            self._cond.notify_all()
+
+    def cleared(self, namespace: str, block_ids: Sequence[int]) -> int:
+        for b in block_ids:
+            self._mem.pop(b, None)
+        dropped = self.index.drop_namespace(namespace)
+        for entry in dropped:
+            self._free(entry)
+        return len(dropped)
+
+    def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Promotion | None:
+        """Under the service lock: the disk entries that continue `tokens`' cached prefix in
+        namespace `name` (`ns`, None when it has no tree now; at most promote_blocks), taken
+        out of the index (their slots reserved), and that prefix pinned in the tree until
+        `apply` or `abandon`. None: nothing to promote."""
+        if not self.index.has_namespace(name):
+            return None
+        bb, k, handle, parent = self._bb, 0, None, ZERO_HASH
+        if ns is not None:
+            m = ns.tree.match(tokens)
+            k, handle = len(m.block_ids), m.handle
+            if k:
+                known = self._mem.get(m.block_ids[-1])
+                parent = known.hash if known is not None else self._chain(name, tokens, k)
+        taken: list[Entry] = []
+        for i in range(k, min(len(tokens) // bb, k + self.promote_blocks)):
+            tok = tokens[i * bb:(i + 1) * bb]
+            h = chain_hash(parent, name, tok)
+            entry = self.index.get((name, h))
+            if entry is None or entry.meta.tokens != tok:
+                break
+            taken.append(self.index.take((name, h)))
+            parent = h
+        if not taken:
+            return None
+        if ns is not None:  # nothing may evict the prefix they extend meanwhile
+            ns.tree.lock(handle, hit=False)
+        return Promotion(ns, tokens, k, handle, taken)
+
+    def read(self, plans: Sequence[Promotion]) -> None:
+        """Off the service lock: each plan's payloads read (os.preadv, the kernel told to
+        read them all ahead first) and checked, up to the first that fails its CRC. Blocks
+        are read by READERS threads at once (preadv and crc32 release the GIL), so one
+        block's check overlaps the next one's read."""
+        self.file.prefetch([e.slot for p in plans for e in p.taken if e.staging is None])
+        for p in plans:
+            got = list(self._readers.map(self._fetch, p.taken))
+            bad = next((i for i, data in enumerate(got) if data is None), len(got))
+            p.failed = bad < len(got)
+            p.payloads.extend(d for d in got[:bad] if d is not None)
+            self._recycle([d for d in got[bad:] if d is not None])
+
+    def apply(self, ns: Namespace, plan: Promotion, make_room: MakeRoom,
+              publish: Publish) -> int:
+        """Under the service lock again: the read blocks into new pool blocks in the tree
+        (evicting, so demoting, to make room), before the Match reads the tree. Returns the
+        blocks promoted."""
+        good = len(plan.payloads)
+        self._counts["verify_failures"] += plan.failed
+        self._settle(plan.taken, good)
+        try:
+            try:
+                if plan.ns is not None and ns is not plan.ns:  # dropped and made again
+                    raise OutOfBlocks("stale plan")
+                if good:
+                    make_room(good, int(plan.cached == 0))
+            except OutOfBlocks:  # no room in the pool (all pinned): back to disk
+                for entry, data in zip(plan.taken, plan.payloads, strict=False):
+                    self._requeue(entry.meta, data)
+                return 0
+            if not good:
+                return 0
+            ids = self.pool.alloc(good, sinks=int(plan.cached == 0))
+            for b, data in zip(ids, plan.payloads, strict=True):
+                self.pool.block_bytes(b)[:len(data)] = np.frombuffer(data, np.uint8)
+            return self._adopt(ns, plan.tokens[:(plan.cached + good) * self._bb], ids, publish)
+        finally:
+            self._recycle(plan.payloads)
+            if plan.ns is not None:
+                plan.ns.tree.unlock(plan.handle)
+
+    def abandon(self, plan: Promotion) -> None:
+        """A plan not applied (its Match failed): its entries back on disk, its pin gone."""
+        for entry in plan.taken:
+            self.index.restore(entry)
+        self._recycle(plan.payloads)
+        if plan.ns is not None:
+            plan.ns.tree.unlock(plan.handle)
+
+    def _settle(self, taken: list[Entry], good: int) -> None:
+        """After reading `good` of the taken entries: their slots (and the one that failed,
+        if any) are free; the rest are back on disk."""
+        for entry in taken[:good + 1]:
+            self.index.release(entry)
+            self._free(entry)
+        for entry in taken[good + 1:]:
+            self.index.restore(entry)
+
+    def _adopt(self, ns: Namespace, tokens: bytes, ids: Sequence[int], publish: Publish) -> int:
+        """Promoted blocks `ids` (holding their KV) for the last len(ids) blocks of `tokens`
+        into the tree. An engine may have inserted some of them meanwhile: those are
+        duplicates, freed."""
+        n = len(tokens) // self._bb
+        cached = ns.tree.match(tokens).block_ids
+        given = [*cached[:n - len(ids)], *ids]
+        result = ns.tree.insert(tokens, given)
+        if result.duplicates:
+            self.pool.free(list(result.duplicates))
+        publish(ns.name)
+        self.inserted(ns.name, tokens, given, result)
+        self._counts["promoted_blocks"] += len(result.adopted)
+        self._counts["hit_tokens"] += len(result.adopted) * self.block_size
+        return len(result.adopted)
+
+    def _fetch(self, entry: Entry) -> bytes | memoryview | None:
+        """The entry's payload (os.preadv into a spare buffer), or None if the slot does not
+        verify."""
+        staging = entry.staging
+        if staging is not None:  # its write is still queued
+            return staging
+        try:
+            buf = self._spare.pop()  # reused: a fresh one costs its page faults on every read
+        except IndexError:
+            buf = bytearray(self.file.geometry.payload_bytes)
+        out = memoryview(buf)[:entry.meta.payload_len]
+        if not self.file.read_into(entry.slot, entry.meta, out):
+            self._spare.append(buf)
+            return None
+        return out
+
+    def _recycle(self, payloads: Sequence[bytes | memoryview]) -> None:
+        for data in payloads:
+            if isinstance(data, memoryview) and len(self._spare) < MAX_SPARE:
+                buf = data.obj
+                data.release()
+                assert isinstance(buf, bytearray)
+                self._spare.append(buf)
+
+    def _requeue(self, meta: SlotMeta, payload: bytes | memoryview) -> None:
+        key = BlockKey(meta.namespace, meta.hash, meta.parent, meta.position, meta.tokens)
+        self._put(key, bytes(payload), meta.sink)
+
+    # ---- the writer ---------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
+                self._cond.notify_all()
+            try:
+                jobs: list[tuple[int, bytes, bytes | memoryview] | int] = []
+                for slot, entry in batch:
+                    payload = None if entry is None else entry.staging
+                    if entry is None:
+                        jobs.append(slot)
+                    elif payload is not None:
+                        jobs.append((slot, self.file.encode_meta(entry.meta, payload), payload))
+                self.file.write(jobs)
+            except BaseException as e:  # a full or failing disk: demotions stop with it
+                log.error("disk tier write failed: %s", e)
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            for _, entry in batch:
+                if entry is not None:
+                    entry.staging = None
+            with self._cond:
+                self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every queued write is done, then fsync."""
+        with self._cond:
+            while self._queue and self._error is None:
+                self._cond.wait(1.0)
+        self.file.sync()
+
+    # ---- figures, invariants, stop ------------------------------------------------------------
+
+    def stats(self) -> DiskStats:
+        return DiskStats(
+            capacity_blocks=self.index.capacity, blocks=len(self.index),
+            bytes=self.index.payload_bytes,
+            slot_bytes=self.file.geometry.slot_bytes,
+            pending_writes=len(self._queue), generation=self.file.generation, **self._counts)
+
+    def check_integrity(self, cached: int) -> None:
+        problem = self.index.check()
+        if problem is None and len(self._mem) != cached:
+            problem = f"{len(self._mem)} pool blocks have disk keys, {cached} are cached"
+        if problem is None:
+            on_disk = {(k.namespace, k.hash) for k in self._mem.values()}
+            if any(key in self.index for key in on_disk):
+                problem = "a block is cached in the pool and on disk"
+        if problem is not None:
+            raise IntegrityError(problem)
+
+    def close(self, write_down: bool) -> None:
+        if write_down:  # children first: on disk they are older than their parents
+            for b, key in sorted(self._mem.items(), key=lambda kv: -kv[1].position):
+                self._put(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b))
+            log.info("disk tier: %d cached pool blocks written down", len(self._mem))
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._writer.join()
+        self._readers.shutdown()
+        self.file.sync()
+        self.file.close()

@@ -1,0 +1,67 @@
+"""What the service asks of a tier below its pool, and the tier it has without one.
+
+The service calls these, under its lock except `read`, and never asks which tier it has:
+
+    plan       before a Match (under the lock): which blocks below continue the prompt's cached
+    read       prefix; then (off the lock) read them; then (under the lock again, before the
+    apply      Match reads the tree) put them in pool blocks, inserted in the tree; `abandon`
+               undoes a plan whose Match failed
+    demote     pool blocks the policy evicted, before they go back to the free list
+    inserted   blocks an Insert adopted (the tier learns their keys; a copy below is dropped)
+    cleared    a namespace's blocks dropped by Clear
+    stats      its figures; check_integrity its invariants
+
+`NoTier` is the pool alone: every hook does nothing. The disk tier is radixkv/disk/tier.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from radixkv.types import DiskStats
+
+if TYPE_CHECKING:
+    from radixkv.index.results import InsertResult
+    from radixkv.kinds import Namespace
+
+MakeRoom = Callable[[int, int], int]  # (blocks, sink blocks) -> blocks evicted; OutOfBlocks
+Publish = Callable[[str], None]  # publish a namespace's queued tree events
+
+
+class NoTier:
+    def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Any:
+        """What a Match of `tokens` in namespace `name` (`ns`: its tree, None if it has none
+        now) would bring up (None: nothing)."""
+        return None
+
+    def read(self, plans: Sequence[Any]) -> None:
+        """Read the plans' blocks (off the service lock)."""
+
+    def apply(self, ns: Namespace, plan: Any, make_room: MakeRoom, publish: Publish) -> int:
+        """A read plan's blocks into `ns`'s tree; returns how many."""
+        return 0
+
+    def abandon(self, plan: Any) -> None:
+        """Undo a plan that will not be applied."""
+
+    def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
+        """`block_ids` (still holding their KV) leave the pool."""
+
+    def inserted(self, namespace: str, tokens: bytes, block_ids: Sequence[int],
+                 result: InsertResult) -> None:
+        """An Insert of `block_ids` for `tokens` adopted result.adopted."""
+
+    def cleared(self, namespace: str, block_ids: Sequence[int]) -> int:
+        """Clear dropped `block_ids` and the namespace: drop its blocks here too. Returns
+        how many the tier held."""
+        return 0
+
+    def stats(self) -> DiskStats:
+        return DiskStats()
+
+    def check_integrity(self, cached: int) -> None:
+        """IntegrityError unless the tier agrees with the `cached` pool block count."""
+
+    def close(self, write_down: bool) -> None:
+        """Stop; with `write_down`, first write the pool's cached blocks to the tier."""

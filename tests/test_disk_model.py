@@ -1,0 +1,181 @@
+"""The pool and its disk tier against a reference (hypothesis, in-process): requests over prompts
+that share prefixes, clean restarts and restarts that lose the pool, on a tiny pool with a disk
+tier that may or may not hold everything. The reference is a dict from each prefix ever stored
+to the tier it must be in (or may be in); after every step the service's trees and disk index
+are read back and compared: every block is in exactly one of free / leased / memory / disk
+(the integrity check), no prefix is in both tiers, the counts and bytes per tier are exact,
+every hit's bytes are the KV written for that prefix (real bytes compared), and while the two
+tiers together can hold everything, nothing stored is ever lost or missed; Clear empties
+both."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from gpu_pool import create_pool
+from gpu_pool.layout import KVLayout
+from radixkv import errors
+from radixkv.disk.slots import ZERO_HASH, chain_hash
+from radixkv.disk.tier import DiskTier
+from radixkv.service import KVService, ServiceConfig
+
+BS = 4
+POOL = 6
+NS = "ns"
+Prompt = tuple[int, ...]  # one segment id per block
+
+
+def tokens_of(prompt: Prompt) -> bytes:
+    return np.asarray([s * 10 + t for s in prompt for t in range(BS)], "<u4").tobytes()
+
+
+def kv_of(prefix: Prompt) -> np.ndarray:
+    """The bytes the block ending `prefix` holds (128-byte blocks)."""
+    digest = hashlib.sha256(repr(prefix).encode()).digest()
+    return np.frombuffer(digest * 4, np.uint8)
+
+
+class PoolAndDisk(RuleBasedStateMachine):
+    @initialize(disk=st.sampled_from([3, 8, 64]))
+    def start(self, disk: int) -> None:
+        self.dir = tempfile.mkdtemp(prefix="rkv-model-")
+        self.disk = disk
+        self.known: set[Prompt] = set()  # every prefix stored and not lost with a pool
+        self.in_memory: set[Prompt] = set()  # prefixes that must be in the pool now
+        self.lossless = True  # the tiers have held everything stored so far
+        self._open()
+
+    def _open(self) -> None:
+        self.pool = create_pool(KVLayout(1, 1, 4, "fp32", BS), num_blocks=POOL)
+        self.tier = DiskTier(self.pool, self.dir, self.disk)
+        self.svc = KVService(self.pool, ServiceConfig(lease_ttl_s=60, policy="lru"),
+                             tier=self.tier)
+
+    def teardown(self) -> None:
+        self.svc.close_tier(write_down=False)
+        self.pool.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ---- rules -------------------------------------------------------------------------------
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=3).map(tuple))
+    def request(self, prompt: Prompt) -> None:
+        tokens = tokens_of(prompt)
+        m = self.svc.match("e", NS, tokens)
+        for j, b in enumerate(m.block_ids):  # every hit block holds its prefix's KV, exactly
+            assert np.array_equal(self.pool.block_bytes(b), kv_of(prompt[:j + 1]))
+        cached = [prompt[:j] for j in range(1, len(prompt) + 1) if prompt[:j] in self.known]
+        if self.lossless:  # nothing stored was lost: the match is the longest stored prefix
+            assert len(m.block_ids) == len(cached), (prompt, m.block_ids, cached)
+        need = len(prompt) - len(m.block_ids)
+        new = self.svc.allocate("e", m.lease_id, NS, need).block_ids if need else ()
+        for j, b in enumerate(new, len(m.block_ids)):
+            self.pool.block_bytes(b)[:] = kv_of(prompt[:j + 1])
+        self.svc.insert("e", m.lease_id, NS, tokens, m.block_ids + new)
+        self.svc.release("e", [m.lease_id])
+        self.known.update(prompt[:j] for j in range(1, len(prompt) + 1))
+        self.in_memory = {prompt[:j] for j in range(1, len(prompt) + 1)}
+        if len(self.known) > POOL + self.disk:
+            self.lossless = False
+
+    @rule()
+    def clear(self) -> None:
+        """Clear drops the namespace from both tiers (NotFound when it holds nothing)."""
+        held = self.memory() | self.on_disk()
+        if held:
+            self.svc.clear(NS)
+        else:
+            with pytest.raises(errors.NotFound):
+                self.svc.clear(NS)
+        assert self.memory() == set() and self.on_disk() == set()
+        self.known, self.in_memory = set(), set()
+        self.lossless = True
+
+    @rule()
+    def clean_restart(self) -> None:
+        """SIGTERM's path: the pool's blocks written down, the next start loads them."""
+        before = self.memory() | self.on_disk()
+        self.svc.close_tier(write_down=True)
+        self.pool.close()
+        self._open()
+        assert self.memory() == set()
+        if len(before) <= self.disk:
+            assert self.on_disk() == before
+        else:
+            self.lossless = False
+        self.in_memory = set()
+
+    @precondition(lambda self: self.disk > 3)
+    @rule()
+    def pool_lost(self) -> None:
+        """A restart that loses the pool (only what was demoted survives)."""
+        before = self.on_disk()
+        self.svc.close_tier(write_down=False)
+        self.pool.close()
+        self._open()
+        assert self.on_disk() == before
+        self.known = set(before)
+        self.known = {p for p in before if all(p[:j] in before for j in range(1, len(p)))}
+        self.lossless = self.known == before
+        self.in_memory = set()
+
+    # ---- reading the service back ------------------------------------------------------------
+
+    def memory(self) -> set[Prompt]:
+        if NS not in self.svc.namespaces():
+            return set()
+        nodes, _ = self.svc.dump_tree(NS)
+        by_id = {n.node_id: n for n in nodes}
+        out = set()
+        for n in nodes:
+            path, cur = [], n
+            while cur is not None:
+                path.append(cur.tokens)
+                cur = by_id.get(cur.parent_id) if cur.parent_id is not None else None
+            toks = np.frombuffer(b"".join(reversed(path)), "<u4")
+            segs = tuple(int(t) // 10 for t in toks[::BS])
+            out.update(segs[:j] for j in range(len(segs) - len(n.block_ids) + 1, len(segs) + 1))
+        return out
+
+    def on_disk(self) -> set[Prompt]:
+        keys = {(e.meta.namespace, e.meta.hash) for e in self.tier.index.entries()}
+        out, frontier = set(), [((), ZERO_HASH)]
+        while frontier:  # walk every prompt the model could have stored, by chain hash
+            prefix, h = frontier.pop()
+            for s in range(3):
+                if len(prefix) == 3:
+                    break
+                p = (*prefix, s)
+                hp = chain_hash(h, NS, tokens_of(p)[-BS * 4:])
+                if (NS, hp) in keys:
+                    out.add(p)
+                frontier.append((p, hp))
+        assert len(out) == len(keys), "a disk entry the model never stored"
+        return out
+
+    # ---- invariants --------------------------------------------------------------------------
+
+    @invariant()
+    def tiers_agree_with_the_reference(self) -> None:
+        self.svc.check_integrity()  # free + leased + cached == pool; no block in both tiers
+        mem, disk = self.memory(), self.on_disk()
+        s = self.svc.stats()
+        assert mem.isdisjoint(disk)
+        assert len(mem) == s.cached_blocks <= POOL and len(disk) == s.disk.blocks <= self.disk
+        assert s.disk.bytes == len(disk) * self.pool.layout.bytes_per_block
+        assert self.in_memory <= mem  # the last request's blocks are in the pool
+        assert mem | disk <= self.known | disk
+        if self.lossless:
+            assert mem | disk == self.known
+
+
+TestPoolAndDisk = PoolAndDisk.TestCase
+TestPoolAndDisk.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
