@@ -309,3 +309,36 @@ def test_replay_with_a_disk_tier_reports_hits_per_tier(workdir):
     read_s = r["disk"]["hit_tokens"] * 131072 / 2e9
     assert r["disk"]["read_bytes_per_token"] == 131072
     assert abs(saved["seconds_net_of_disk_reads"] - (saved["seconds_at_rate"] - read_s)) < 1e-6
+
+
+def test_key_keyed_namespaces_stay_in_memory_beside_the_tier(workdir):
+    """Blocks named by keys (no token ids) are evicted, not demoted, and a restart does not
+    bring their namespace back as a token-keyed one."""
+    keys = [bytes([i]) * 32 for i in range(1, 11)]  # one chain of 10 keys through an 8-block pool
+    server = serve(workdir, 8, 32)
+    try:
+        with Client(server.socket) as kv:
+            m = kv.match_keys("keyed", keys[:5], store=True)
+            kv.insert_keys("keyed", keys[:5], m.new_block_ids, m.lease_id, epoch=m.epoch,
+                           release=True)
+            assert [put(kv, "ns", t) for t in (p(1), p(2), p(3), p(4))] == [0] * 4
+            s = kv.stats(check_integrity=True)
+            assert s["integrity"] == "ok"
+            cached = {n["namespace"]: n["cached_blocks"] for n in s["namespaces"]}
+            assert cached.get("keyed", 0) < 5  # some key blocks were evicted...
+            # ...and dropped: the disk holds only the token blocks the pool evicted
+            assert s["disk"]["blocks"] == 8 - cached.get("ns", 0)
+            again = kv.match_keys("keyed", keys[:5])
+            kv.release(again.lease_id)
+            assert len(again.block_ids) < 5
+    finally:
+        stopped(server)
+    server = serve(workdir, 8, 32)
+    try:
+        with Client(server.socket) as kv:
+            m = kv.match_keys("keyed", keys[:5])  # still a key namespace: no FailedPrecondition
+            assert m.block_ids == ()
+            kv.release(m.lease_id)
+            assert kv.stats(check_integrity=True)["integrity"] == "ok"
+    finally:
+        stopped(server)
