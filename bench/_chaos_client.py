@@ -81,6 +81,18 @@ def next_prompt(rng: random.Random, convs: dict[str, list[list[list[int]]]],
 # ---- one client process ----------------------------------------------------------------------
 
 
+def error_tally(e: RadixKVError) -> str:
+    """The tally an error counts under. A fault explains not_found (a lease of the previous
+    server life), lease_expired and out_of_blocks; internal_errors and other_errors it never
+    explains, and a run must have none."""
+    for kind, tally in ((NotFound, "not_found"), (LeaseExpired, "lease_expired"),
+                        (OutOfBlocks, "out_of_blocks")):
+        if isinstance(e, kind):
+            return tally
+    internal = getattr(e, "code", "") in ("INTERNAL", "UNKNOWN")
+    return "internal_errors" if internal else "other_errors"
+
+
 def die_with_parent() -> None:
     """SIGKILL this process when the supervisor dies (Linux PR_SET_PDEATHSIG)."""
     try:
@@ -226,17 +238,12 @@ def client_main(args: dict[str, Any], slot: int, counters: Any, stop: Any) -> No
             except StalePool:  # the mapped segment is gone: attach afresh
                 w.bump("stale_pool")
                 w.drop()
-            except NotFound:  # a lease of the previous server life
-                w.bump("not_found")
-            except LeaseExpired:
-                w.bump("lease_expired")
-            except OutOfBlocks:
-                w.bump("out_of_blocks")
             except RadixKVError as e:
-                w.bump("internal_errors" if getattr(e, "code", "") in ("INTERNAL", "UNKNOWN")
-                       else "other_errors")
-                print(f"client {slot}: {type(e).__name__} {getattr(e, 'code', '')}: {e}",
-                      file=sys.stderr, flush=True)
+                tally = error_tally(e)
+                w.bump(tally)
+                if tally.endswith("errors"):
+                    print(f"client {slot}: {type(e).__name__} {getattr(e, 'code', '')}: {e}",
+                          file=sys.stderr, flush=True)
     except BaseException:
         w.bump("fatal")
         print(f"client {slot} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

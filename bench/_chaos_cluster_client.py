@@ -18,13 +18,17 @@ import time
 import traceback
 from typing import Any
 
-from _chaos_client import C, Worker, conversations, die_with_parent, next_prompt
+from _chaos_client import (
+    C,
+    Worker,
+    conversations,
+    die_with_parent,
+    error_tally,
+    next_prompt,
+)
 
 from radixkv.cluster.routed import RouterClient
 from radixkv.errors import (
-    LeaseExpired,
-    NotFound,
-    OutOfBlocks,
     RadixKVError,
     StalePool,
     Unavailable,
@@ -108,17 +112,12 @@ def cluster_client_main(args: dict[str, Any], slot: int, counters: Any, stop: An
             except StalePool:
                 engine.bump("stale_pool")
                 engine.workers.pop(node).drop()
-            except NotFound:
-                engine.bump("not_found")
-            except LeaseExpired:
-                engine.bump("lease_expired")
-            except OutOfBlocks:
-                engine.bump("out_of_blocks")
             except RadixKVError as e:
-                engine.bump("internal_errors" if getattr(e, "code", "") in ("INTERNAL", "UNKNOWN")
-                            else "other_errors")
-                print(f"client {slot} ({node}): {type(e).__name__} {getattr(e, 'code', '')}: "
-                      f"{e}", file=sys.stderr, flush=True)
+                tally = error_tally(e)
+                engine.bump(tally)
+                if tally.endswith("errors"):
+                    print(f"client {slot} ({node}): {type(e).__name__} "
+                          f"{getattr(e, 'code', '')}: {e}", file=sys.stderr, flush=True)
     except BaseException:
         engine.bump("fatal")
         print(f"client {slot} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -15,6 +17,21 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so that stdout stays the bench's result."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def engine_python(engine: str) -> str:
+    """The python of an engine's own venv (.venv-vllm, .venv-sglang), created by its
+    scripts/bootstrap_<engine> first if it is missing."""
+    python = REPO / f".venv-{engine}" / "bin" / "python"
+    if not python.exists():
+        log(f"bench: .venv-{engine} is missing: running scripts/bootstrap_{engine} (a few minutes)")
+        subprocess.run(["bash", str(REPO / "scripts" / f"bootstrap_{engine}")], check=True)
+    return str(python)
 
 
 def percentile(values: Iterable[float], q: float) -> float:

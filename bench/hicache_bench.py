@@ -21,14 +21,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, emit, radixkv_server
+from _common import REPO, emit, engine_python, log, radixkv_server
 
-SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 WORKER = Path(__file__).resolve().parent / "_hicache_worker.py"
 PAGE = 16
 # (layers, kv heads, head_dim): pages of 16 fp16 tokens of 16 KiB, 128 KiB and 1 MiB
@@ -36,21 +34,9 @@ GEOMETRIES = [(2, 2, 64), (8, 4, 64), (16, 8, 128)]
 GOALS = ">= 3x the file backend's pages/s both ways; >= 0.5x memcpy for pages >= 64 KiB"
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def sglang_python() -> str:
-    """.venv-sglang's python, created by scripts/bootstrap_sglang if it is missing."""
-    if not SGLANG_PYTHON.exists():
-        log("bench: .venv-sglang is missing: running scripts/bootstrap_sglang (a few minutes)")
-        subprocess.run(["bash", str(REPO / "scripts" / "bootstrap_sglang")], check=True)
-    return str(SGLANG_PYTHON)
-
-
 def run_worker(backend: str, geometry: dict[str, Any], batch: int, rounds: int,
                socket: str | None, env: dict[str, str]) -> dict[str, Any]:
-    cmd = [sglang_python(), str(WORKER), backend, "page_first", json.dumps(geometry),
+    cmd = [engine_python("sglang"), str(WORKER), backend, "page_first", json.dumps(geometry),
            str(batch), str(rounds), *([socket] if socket else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False,
                          env={**os.environ, "PYTHONPATH": str(REPO), **env})

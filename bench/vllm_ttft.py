@@ -34,31 +34,16 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, emit, radixkv_server
+from _common import emit, engine_python, log, radixkv_server
 
 BLOCK = 128  # vLLM's CPU block size; radixkv serves the same
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 GOALS = "90 % shared: <= 0.25x no cache and <= 1.15x vLLM's prefix cache; 50 %: < no cache; " \
         "connector <= 5 % of TTFT; faster than ExampleConnector at every share"
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def vllm_python() -> str:
-    """.venv-vllm's python, created by scripts/bootstrap_vllm if it is missing."""
-    if not VLLM_PYTHON.exists():
-        log("bench: .venv-vllm is missing: running scripts/bootstrap_vllm (a few minutes)")
-        subprocess.run(["bash", str(REPO / "scripts" / "bootstrap_vllm")], check=True)
-    return str(VLLM_PYTHON)
 
 
 class Stats:
@@ -111,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from radixkv.engines import models
     from radixkv.integrations.vllm_driver import Driver
 
-    python = vllm_python()
+    python = engine_python("vllm")
     model = str(models.ensure_converted(models.get_spec(models.REAL_MODEL))[0])
     rng = random.Random(args.seed)
     n = args.prompt_tokens

@@ -7,7 +7,8 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from radixkv.server.launch import ServerProcess, start_server
@@ -18,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "hidden_size": 32, "torch_dtype": "float32"}
 BLOCK_SIZE = 4
+TOKEN = "s3cret-token-0123456789"  # the token the `token_file` fixture (conftest) writes
 
 RunningServer = ServerProcess
 
@@ -46,3 +48,15 @@ def running_server(*flags: str, num_blocks: int = 16, lease_ttl: float = 30.0,
             rc = server.stop()
             assert rc == 0, f"server exited {rc}:\n{server.output()}"
             assert not os.path.exists(sock), "server left its socket behind"
+
+
+def wait_for(check: Callable[[], object], timeout: float = 15.0, what: str = "") -> object:
+    """Poll `check` every 50 ms until it returns something true, and return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        time.sleep(0.05)

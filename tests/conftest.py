@@ -54,3 +54,13 @@ def svc(clock: Any, request: pytest.FixtureRequest) -> Any:
     yield service
     service.check_integrity()
     service.pool.close()
+
+
+@pytest.fixture
+def token_file(tmp_path: Any) -> str:
+    """A token file holding _server.TOKEN, for `--auth-token-file`."""
+    from _server import TOKEN
+
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return str(path)

@@ -9,19 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from _server import running_server, tiny_config_path
+from _server import TOKEN, running_server, tiny_config_path
 
 from radixkv import errors
 from radixkv.client import Client
-
-TOKEN = "s3cret-token-0123456789"
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    return str(path)
 
 
 def test_token_is_required_on_radixkv_calls_but_not_on_health(token_file):

@@ -11,10 +11,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
-from _server import BLOCK_SIZE, tiny_config_path
+from _server import BLOCK_SIZE, tiny_config_path, wait_for
 
 from radixkv.client import Client
 from radixkv.cluster.etcd import Etcd, EtcdTarget
@@ -55,17 +54,6 @@ def prompt(head: int, blocks: int = 3) -> list[int]:
 def store(socket: str, tokens: list[int], namespace: str = NS) -> None:
     with Client(socket) as kv, kv.lease(namespace, tokens) as lease:
         lease.insert(tokens, lease.block_ids + lease.new_block_ids, release=True)
-
-
-def wait_for(check, timeout: float = 15.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        time.sleep(0.05)
 
 
 def routes(rc: RouterClient, tokens: list[int], namespace: str = NS) -> list[tuple[str, int]]:

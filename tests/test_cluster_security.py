@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from _server import BLOCK_SIZE, tiny_config_path
+from _server import BLOCK_SIZE, tiny_config_path, wait_for
 
 from radixkv import errors
 from radixkv.client import Client
@@ -50,17 +50,6 @@ def prompt(head: int, blocks: int = 3) -> list[int]:
 def store(kv: Client, tokens: list[int]) -> None:
     with kv.lease(NS, tokens) as lease:
         lease.insert(tokens, lease.block_ids + lease.new_block_ids, release=True)
-
-
-def wait_for(check, timeout: float = 15.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        time.sleep(0.05)
 
 
 def router_process(etcd_url: str, listen: str, *extra: str, env=None, timeout: float = 60):

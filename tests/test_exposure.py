@@ -11,20 +11,11 @@ import time
 
 import grpc
 import pytest
-from _server import running_server
+from _server import TOKEN, running_server
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from radixkv import errors
 from radixkv.client import Client
-
-TOKEN = "s3cret-token-0123456789"
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    return str(path)
 
 
 def reflection_stream(target: str, timeout: float, metadata=()) -> tuple[object, queue.Queue]:

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from _kv import make_service, toks
-from _server import running_server
+from _server import TOKEN, running_server
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,8 +21,6 @@ from radixkv import errors
 from radixkv.client import Client
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
-
-TOKEN = "s3cret-token-0123456789"
 
 
 def tokens(n: int, start: int = 0) -> np.ndarray:
