@@ -10,6 +10,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from radixkv.server.launch import ServerProcess, start_server
 
@@ -60,3 +61,13 @@ def wait_for(check: Callable[[], object], timeout: float = 15.0, what: str = "")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or check}")
         time.sleep(0.05)
+
+
+def store_many(kv: Any, namespace: str, prompts: list[list[int]]) -> None:
+    """Cache `prompts` through `kv` (a Client): batches of one Match with store, then one
+    Insert with release."""
+    for i in range(0, len(prompts), 64):
+        batch = prompts[i:i + 64]
+        leases = kv.match_many([(namespace, p) for p in batch], store_tokens=1 << 30)
+        kv.insert_many([(namespace, p, m.block_ids + m.new_block_ids, m.lease_id)
+                        for p, m in zip(batch, leases, strict=True)], release=True)

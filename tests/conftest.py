@@ -64,3 +64,17 @@ def token_file(tmp_path: Any) -> str:
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
     return str(path)
+
+
+@pytest.fixture
+def real_spec() -> Any:
+    """The real model's spec (radixkv.engines.models.REAL_MODEL); skips where its GGUF is not
+    available."""
+    from radixkv.engines import models
+
+    spec = models.get_spec(models.REAL_MODEL)
+    try:
+        models.gguf_path(spec)
+    except models.ModelNotAvailable as e:
+        pytest.skip(str(e))
+    return spec

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from _server import BLOCK_SIZE, tiny_config_path
+from _server import BLOCK_SIZE, store_many, tiny_config_path
 from test_cluster import members, prompt, routes, wait_for
 
 from radixkv.client import Client
@@ -30,15 +30,6 @@ NS = "chat@rev1"
 def flags(tmp_path):
     return ("--model-config", tiny_config_path(str(tmp_path)), "--block-size", str(BLOCK_SIZE),
             "--num-blocks", "64", "--log-level", "warning")
-
-
-def store_many(kv: Client, prompts: list[list[int]], namespace: str = NS) -> None:
-    """Cache `prompts` (batches of one Match with store + one Insert with release)."""
-    for i in range(0, len(prompts), 64):
-        batch = prompts[i:i + 64]
-        leases = kv.match_many([(namespace, p) for p in batch], store_tokens=1 << 30)
-        kv.insert_many([(namespace, p, m.block_ids + m.new_block_ids, m.lease_id)
-                        for p, m in zip(batch, leases, strict=True)], release=True)
 
 
 class RefusingMember(radixkv_pb2_grpc.RadixKVServicer):
@@ -87,7 +78,7 @@ def test_a_member_whose_tree_passes_the_message_limit_is_indexed_page_by_page(fl
     with local_cluster(1, *small, "--max-message-bytes", "32768") as c, \
             RouterClient(c.router) as rc, Client(c.members["n0"].socket) as kv:
         rc.wait_members(1)
-        store_many(kv, [[h * 1000 + i for i in range(2 * BLOCK_SIZE)] for h in range(1500)])
+        store_many(kv, NS, [[h * 1000 + i for i in range(2 * BLOCK_SIZE)] for h in range(1500)])
         with pytest.raises(RadixKVError, match="larger than max"):  # the whole tree at once
             kv.dump_tree(NS)
         # a router started now has to build the index from DumpTree

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from _server import BLOCK_SIZE, running_server
+from _server import BLOCK_SIZE, running_server, store_many
 
 from radixkv import errors
 from radixkv.client import Client
@@ -24,15 +24,6 @@ def prompt(head: int, tail: int, blocks: int = 2) -> list[int]:
     first = [head * 100 + i for i in range(B)]
     rest = [head * 100_000 + tail * 100 + i for i in range((blocks - 1) * B)]
     return first + rest
-
-
-def store(kv: Client, prompts: list[list[int]], namespace: str = NS) -> None:
-    """Cache `prompts` (batches of one Match with store + one Insert with release)."""
-    for i in range(0, len(prompts), 64):
-        batch = prompts[i:i + 64]
-        leases = kv.match_many([(namespace, p) for p in batch], store_tokens=1 << 30)
-        kv.insert_many([(namespace, p, m.block_ids + m.new_block_ids, m.lease_id)
-                        for p, m in zip(batch, leases, strict=True)], release=True)
 
 
 def paths(nodes) -> list[bytes]:
@@ -62,7 +53,7 @@ def page_hashes(pages) -> set[int]:
 def test_pages_cover_the_tree_in_path_order_with_event_hashes():
     with running_server(num_blocks=512) as s, Client(s.socket) as kv:
         rng = random.Random(1)
-        store(kv, [prompt(h, t, rng.randint(1, 4)) for h in range(12) for t in range(8)])
+        store_many(kv, NS, [prompt(h, t, rng.randint(1, 4)) for h in range(12) for t in range(8)])
         whole, _ = kv.dump_tree(NS)
         pages = all_pages(kv, 7)
         assert all(len(p.nodes) <= 7 for p in pages) and len(pages) > 5
@@ -97,15 +88,15 @@ def test_a_tree_changing_between_pages_is_read_right_with_the_events_after_the_f
     with running_server(num_blocks=160) as s, Client(s.socket) as kv, \
             Client(s.socket) as writer:
         rng = random.Random(2)
-        store(kv, [prompt(h, t, rng.randint(1, 3)) for h in range(10) for t in range(5)])
+        store_many(kv, NS, [prompt(h, t, rng.randint(1, 3)) for h in range(10) for t in range(5)])
         for trial in range(3):
             first = kv.dump_page(NS, b"", 6)
             pages, cursor = [first], first.next_cursor
             while cursor:
                 # between pages: new prompts (splits, new branches) and, the pool being
                 # small, evictions of old ones
-                store(writer, [prompt(rng.randrange(14), rng.randrange(1000),
-                                      rng.randint(1, 4)) for _ in range(3)])
+                store_many(writer, NS, [prompt(rng.randrange(14), rng.randrange(1000),
+                                               rng.randint(1, 4)) for _ in range(3)])
                 pages.append(kv.dump_page(NS, cursor, 6))
                 cursor = pages[-1].next_cursor
             held = page_hashes(pages)
@@ -126,7 +117,7 @@ def test_a_tree_changing_between_pages_is_read_right_with_the_events_after_the_f
 
 def test_bad_pages_get_precise_statuses():
     with running_server() as s, Client(s.socket) as kv:
-        store(kv, [prompt(1, 1)])
+        store_many(kv, NS, [prompt(1, 1)])
         with pytest.raises(errors.InvalidArgument, match="whole 4-token blocks"):
             kv.dump_page(NS, b"\x01\x02\x03", 10)
         with pytest.raises(errors.InvalidArgument, match="1 to 65536"):

@@ -130,22 +130,13 @@ def test_cache_directories_are_created_private(tmp_path):
 
 # ---- the model cache -------------------------------------------------------------------------
 
-def real_spec() -> models.ModelSpec:
-    spec = models.get_spec(models.REAL_MODEL)
-    try:
-        models.gguf_path(spec)
-    except models.ModelNotAvailable as e:
-        pytest.skip(str(e))
-    return spec
-
-
 def stand_in(out: Path) -> None:
     (out / models.WEIGHTS).write_bytes(bytes(range(256)))
     (out / "config.json").write_text('{"num_hidden_layers": 1}')
 
 
-def test_a_model_cache_others_may_write_is_refused(tmp_path):
-    spec = real_spec()
+def test_a_model_cache_others_may_write_is_refused(tmp_path, real_spec):
+    spec = real_spec
     entry, converted = models.ensure_converted(spec, tmp_path / "cache", stand_in)
     assert converted
     for d in (tmp_path / "cache", tmp_path / "cache" / "models"):

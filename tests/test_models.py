@@ -20,15 +20,6 @@ from radixkv.engines import models
 from radixkv.errors import InvalidArgument
 
 
-def real_spec() -> models.ModelSpec:
-    spec = models.get_spec(models.REAL_MODEL)
-    try:
-        models.gguf_path(spec)
-    except models.ModelNotAvailable as e:
-        pytest.skip(str(e))
-    return spec
-
-
 def stand_in_converter(calls: list[Path]) -> Callable[[Path], None]:
     def convert(out: Path) -> None:
         calls.append(out)
@@ -82,8 +73,9 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, damage: str) -> None:
-    spec = real_spec()
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, damage: str,
+                                          real_spec: models.ModelSpec) -> None:
+    spec = real_spec
     calls: list[Path] = []
     convert = stand_in_converter(calls)
     entry, converted = models.ensure_converted(spec, tmp_path, convert)
@@ -102,8 +94,9 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, damage: str) -> None:
         [entry.name, f".{entry.name}.lock"])
 
 
-def test_a_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
-    spec = real_spec()
+def test_a_failed_conversion_leaves_nothing_behind(tmp_path: Path,
+                                                   real_spec: models.ModelSpec) -> None:
+    spec = real_spec
 
     def broken(out: Path) -> None:
         (out / "config.json").write_text("{}")
