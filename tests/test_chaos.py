@@ -17,13 +17,19 @@ CHAOS = Path(__file__).resolve().parents[1] / "bench" / "chaos.py"
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_chaos_short_run_keeps_every_hit_correct_and_leaks_nothing():
-    out = subprocess.run([sys.executable, str(CHAOS), "--seconds", "30", "--clients", "3",
-                          "--kill-every", "2", "--restart-every", "5", "--seed", "1", "--json"],
-                         capture_output=True, text=True, timeout=150)
+def run_chaos(timeout: float, *flags: str) -> tuple[subprocess.CompletedProcess, dict, str]:
+    """bench/chaos.py with `flags`, seed 1: the process, its JSON report, and both for a
+    failure message."""
+    out = subprocess.run([sys.executable, str(CHAOS), *flags, "--seed", "1", "--json"],
+                         capture_output=True, text=True, timeout=timeout)
     assert out.stdout, out.stderr[-4000:]
     r = json.loads(out.stdout)
-    detail = f"{json.dumps(r, indent=1)}\n{out.stderr[-4000:]}"
+    return out, r, f"{json.dumps(r, indent=1)}\n{out.stderr[-4000:]}"
+
+
+def test_chaos_short_run_keeps_every_hit_correct_and_leaks_nothing():
+    out, r, detail = run_chaos(150, "--seconds", "30", "--clients", "3", "--kill-every", "2",
+                               "--restart-every", "5")
     assert r["mismatches"] == 0, detail
     assert (r["leaked_blocks"], r["leaked_leases"], r["shm_left"]) == (0, 0, 0), detail
     assert r["integrity"] == "ok" and r["integrity_failures"] == 0, detail
@@ -35,13 +41,8 @@ def test_chaos_short_run_keeps_every_hit_correct_and_leaks_nothing():
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
 def test_cluster_chaos_short_run_keeps_every_hit_correct_and_the_index_converges():
-    out = subprocess.run([sys.executable, str(CHAOS), "--cluster", "--members", "2",
-                          "--seconds", "30", "--clients", "2", "--kill-every", "3",
-                          "--restart-every", "4", "--seed", "1", "--json"],
-                         capture_output=True, text=True, timeout=170)
-    assert out.stdout, out.stderr[-4000:]
-    r = json.loads(out.stdout)
-    detail = f"{json.dumps(r, indent=1)}\n{out.stderr[-4000:]}"
+    out, r, detail = run_chaos(170, "--cluster", "--members", "2", "--seconds", "30",
+                               "--clients", "2", "--kill-every", "3", "--restart-every", "4")
     assert r["mismatches"] == 0, detail
     assert (r["leaked_blocks"], r["leaked_leases"], r["shm_left"]) == (0, 0, 0), detail
     assert r["integrity"] == "ok" and r["converged"], detail
