@@ -32,6 +32,13 @@ def tiny_config_path(directory: str) -> str:
     return path
 
 
+def tiny_flags(directory: str, num_blocks: int = 32) -> tuple[str, ...]:
+    """`radixkv serve` flags for the tiny layout (its config written into `directory`), for
+    servers that tests start through other launchers (local_cluster, start_server)."""
+    return ("--model-config", tiny_config_path(directory), "--block-size", str(BLOCK_SIZE),
+            "--num-blocks", str(num_blocks), "--log-level", "warning")
+
+
 @contextlib.contextmanager
 def running_server(*flags: str, num_blocks: int = 16, lease_ttl: float = 30.0,
                    block_size: int = BLOCK_SIZE,

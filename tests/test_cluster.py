@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 import pytest
-from _server import BLOCK_SIZE, tiny_config_path, wait_for
+from _server import BLOCK_SIZE, tiny_flags, wait_for
 
 from radixkv.client import Client
 from radixkv.cluster.etcd import Etcd, EtcdTarget
@@ -34,8 +34,7 @@ NS = "chat@rev1"
 @pytest.fixture
 def flags():
     directory = tempfile.mkdtemp(prefix="rkv-t-")
-    yield ("--model-config", tiny_config_path(directory), "--block-size", str(BLOCK_SIZE),
-           "--num-blocks", "32", "--log-level", "warning")
+    yield tiny_flags(directory)
     shutil.rmtree(directory, ignore_errors=True)
 
 

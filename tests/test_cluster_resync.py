@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from _server import BLOCK_SIZE, store_many, tiny_config_path
+from _server import BLOCK_SIZE, store_many, tiny_flags
 from test_cluster import members, prompt, routes, wait_for
 
 from radixkv.client import Client
@@ -28,8 +28,7 @@ NS = "chat@rev1"
 
 @pytest.fixture
 def flags(tmp_path):
-    return ("--model-config", tiny_config_path(str(tmp_path)), "--block-size", str(BLOCK_SIZE),
-            "--num-blocks", "64", "--log-level", "warning")
+    return tiny_flags(str(tmp_path), 64)
 
 
 class RefusingMember(radixkv_pb2_grpc.RadixKVServicer):

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from _server import BLOCK_SIZE, tiny_config_path, wait_for
+from _server import BLOCK_SIZE, tiny_flags, wait_for
 
 from radixkv import errors
 from radixkv.client import Client
@@ -38,8 +38,7 @@ NS = "chat@rev1"
 @pytest.fixture
 def flags():
     directory = tempfile.mkdtemp(prefix="rkv-s-")
-    yield ("--model-config", tiny_config_path(directory), "--block-size", str(BLOCK_SIZE),
-           "--num-blocks", "32", "--log-level", "warning")
+    yield tiny_flags(directory)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from _fuzz_requests import BLOCKS, pack, texts, wild_namespaces, wild_plan, wild_tokens
-from _server import BLOCK_SIZE, tiny_config_path
+from _server import BLOCK_SIZE, tiny_flags
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
@@ -44,8 +44,7 @@ FUZZ = settings(max_examples=150, deadline=None, database=None,
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory) -> Iterator[Any]:
-    flags = ("--model-config", tiny_config_path(str(tmp_path_factory.mktemp("cfg"))),
-             "--block-size", str(BLOCK_SIZE), "--num-blocks", "32", "--log-level", "warning")
+    flags = tiny_flags(str(tmp_path_factory.mktemp("cfg")))
     with local_cluster(2, *flags) as c:
         with Client(c.members["n0"].socket) as kv:
             for p in CACHED:

@@ -9,7 +9,7 @@ import time
 
 import grpc
 import pytest
-from _server import BLOCK_SIZE, running_server
+from _server import BLOCK_SIZE, running_server, tiny_flags
 
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
@@ -71,14 +71,12 @@ def test_max_concurrent_rpcs_is_a_flag():
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
 def test_the_router_accepts_a_max_tokens_prompt(tmp_path):
-    from _server import tiny_config_path
 
     from radixkv.client import Client
     from radixkv.cluster.local import local_cluster
     from radixkv.cluster.routed import RouterClient
 
-    flags = ("--model-config", tiny_config_path(str(tmp_path)), "--block-size", str(BLOCK_SIZE),
-             "--num-blocks", "32", "--log-level", "warning")
+    flags = tiny_flags(str(tmp_path))
     with local_cluster(1, *flags) as c, RouterClient(c.router) as rc:
         rc.wait_members(1)
         with Client(c.members["n0"].socket) as kv:
