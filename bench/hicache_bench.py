@@ -75,7 +75,8 @@ def model_config(path: Path, layers: int, heads: int, dim: int) -> str:
     return str(path)
 
 
-def measure(layers: int, heads: int, dim: int, batch: int, rounds: int) -> list[dict[str, Any]]:
+def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
+            profile: bool = False) -> list[dict[str, Any]]:
     geometry = {"layers": layers, "heads": heads, "head_dim": dim, "page_size": PAGE,
                 "dtype": "float16", "host_pages": 2 * batch + 8}
     with tempfile.TemporaryDirectory(prefix="rkv-hicache-") as d:
@@ -88,7 +89,8 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int) -> list[
             with radixkv_server(d, "--model-config", config, "--dtype", "fp16",
                                 "--block-size", str(PAGE), "--num-blocks",
                                 str(blocks)) as socket:
-                runs[name] = run_worker("radixkv", geometry, batch, rounds, socket, {})
+                runs[name] = run_worker("radixkv", geometry, batch, rounds, socket,
+                                        {"RADIXKV_BENCH_PROFILE": "1"} if profile else {})
         rkv, warm = runs["cold"], runs["warm"]
         files = Path(d) / "files"
         files.mkdir()
@@ -111,7 +113,9 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int) -> list[
                      "vs_file_backend_warm": round(mine_warm / theirs, 2),
                      "vs_memcpy_warm": round(mine_warm / memcpy, 3),
                      "radixkv_gb_per_s": round(mine * page_bytes / 1e9, 3),
-                     "file_backend_gb_per_s": round(theirs * page_bytes / 1e9, 3)})
+                     "file_backend_gb_per_s": round(theirs * page_bytes / 1e9, 3),
+                     **({"profile_cold": rkv["profile"], "profile_warm": warm["profile"]}
+                        if profile else {})})
     return rows
 
 
@@ -121,11 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5,
                         help="timed batches per backend and page size (default 5)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time each RPC, copy and backend call of radixkv's batches "
+                        "(calls per batch, median ms: profile_cold, profile_warm)")
     args = parser.parse_args(argv)
     rows = []
     for layers, heads, dim in GEOMETRIES:
         log(f"bench: {layers} layers x {heads} kv heads x {dim}, page {PAGE} tokens")
-        rows += measure(layers, heads, dim, args.batch, args.rounds)
+        rows += measure(layers, heads, dim, args.batch, args.rounds, args.profile)
     emit("hicache_bench", {"rows": rows, "goals": GOALS}, args.json)
     return 0
 
