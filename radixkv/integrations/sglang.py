@@ -56,6 +56,7 @@ from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
 from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
 from radixkv.types import LeaseMatch
+from radixkv.validation import MIN_LEASE_TTL_S
 
 log = logging.getLogger("radixkv.integrations.sglang")
 
@@ -125,7 +126,10 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         dtype, page = self.want[3], self.want[4]
         check_pool_layout(client, self.want, "SGLang's host KV pool", "page_size",
                           f"--dtype {dtype} --block-size {page} and this model's config")
-        self.held.hold_s = min(self.hold_s, client.pool_info().max_lease_ttl_s)
+        if self.hold_s > 0:  # a TTL radixkv grants: within [min(1 s, its default), its cap]
+            info = client.pool_info()
+            low = min(MIN_LEASE_TTL_S, info.lease_ttl_s)
+            self.held.hold_s = min(max(self.hold_s, low), info.max_lease_ttl_s)
 
     # ---- the v1 zero-copy interface ----------------------------------------------------------
 
