@@ -4,7 +4,7 @@ batch_exists -> batch_get_v1), in 64-page batches; against SGLang's file backend
 (--hicache-storage-backend file, on a temporary directory) through the same controller, and a
 plain memcpy of the same bytes, in the same run.
 
-    .venv/bin/python bench/hicache_bench.py --json      # ~2 min on 2 cores
+    .venv/bin/python bench/hicache_bench.py --json      # ~3 min on 2 cores
 
 The controller runs in .venv-sglang (`scripts/bootstrap_sglang` runs first if that venv is
 missing; bench/_hicache_worker.py), with a page_first host pool; radixkv serves a pool of the
