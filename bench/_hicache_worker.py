@@ -4,6 +4,9 @@ prefetching batches of pages; prints one JSON object of per-batch times.
 
     _hicache_worker.py BACKEND LAYOUT GEOMETRY_JSON BATCH ROUNDS [SOCKET]
 
+With RADIXKV_BENCH_PROFILE=1 (radixkv only) the answer also has "profile": per kind of call
+(each RPC, the copies, the three backend methods), the calls per timed batch and their median
+milliseconds.
 BACKEND: radixkv or file (SGLang's own; SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR says where).
 Each round backs up BATCH fresh pages (write_storage -> the backend's set) and prefetches them
 (prefetch -> exists -> get); the first round warms up and is not counted. Also times a plain
@@ -11,15 +14,48 @@ copy of the same bytes between two host tensors (memcpy)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import _sglang_harness as h  # noqa: E402
 import torch  # noqa: E402
+
+TIMES: dict[str, list[float]] = collections.defaultdict(list)
+_lock = threading.Lock()
+
+
+def timed(owner: Any, name: str, label: str) -> None:
+    """Record each call of owner.name under `label` (SGLang's threads call them)."""
+    inner: Callable[..., Any] = getattr(owner, name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            with _lock:
+                TIMES[label if label else f"rpc {args[1]}"].append(time.perf_counter() - t0)
+
+    setattr(owner, name, call)
+
+
+def profile() -> None:
+    from radixkv.client import Client
+    from radixkv.integrations.layout import HostPages
+    from radixkv.integrations.sglang import RadixKVStore
+
+    timed(Client, "_call", "")
+    timed(HostPages, "copy", "copy")
+    for method in ("batch_exists", "batch_get_v1", "batch_set_v1"):
+        timed(RadixKVStore, method, method)
 
 
 def main() -> None:
@@ -31,6 +67,9 @@ def main() -> None:
     n = int(batch)
     extra: dict[str, object] = {}
     name = backend
+    profiling = backend == "radixkv" and os.environ.get("RADIXKV_BENCH_PROFILE") == "1"
+    if profiling:
+        profile()
     if backend == "radixkv":
         extra = {"backend_name": "radixkv", "module_path": "radixkv.integrations.sglang",
                  "class_name": "RadixKVStore", "interface_v1": 1, "socket": socket,
@@ -55,6 +94,8 @@ def main() -> None:
         if r:
             sets.append(t1 - t0)
             gets.append(t2 - t1)
+        else:
+            TIMES.clear()  # the warm-up is not profiled
     src = torch.empty(n * host.get_dummy_flat_data_page().numel(), dtype=g.dtype)
     src.normal_()
     dst = torch.empty_like(src)
@@ -65,8 +106,13 @@ def main() -> None:
         if r:
             copies.append(time.perf_counter() - t0)
     page_bytes = host.get_dummy_flat_data_page().numel() * host.dtype.itemsize
-    print(json.dumps({"set_s": sets, "get_s": gets, "memcpy_s": copies,
-                      "page_bytes": page_bytes}))
+    out: dict[str, Any] = {"set_s": sets, "get_s": gets, "memcpy_s": copies,
+                           "page_bytes": page_bytes}
+    if profiling:
+        out["profile"] = {k: {"per_batch": round(len(v) / int(rounds), 2),
+                              "median_ms": round(sorted(v)[len(v) // 2] * 1e3, 3)}
+                          for k, v in sorted(TIMES.items())}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

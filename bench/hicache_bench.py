@@ -4,7 +4,7 @@ batch_exists -> batch_get_v1), in 64-page batches; against SGLang's file backend
 (--hicache-storage-backend file, on a temporary directory) through the same controller, and a
 plain memcpy of the same bytes, in the same run.
 
-    .venv/bin/python bench/hicache_bench.py --json      # ~2 min on 2 cores
+    .venv/bin/python bench/hicache_bench.py --json      # ~3 min on 2 cores
 
 The controller runs in .venv-sglang (`scripts/bootstrap_sglang` runs first if that venv is
 missing; bench/_hicache_worker.py), with a page_first host pool; radixkv serves a pool of the
@@ -12,6 +12,14 @@ same geometry. Each page size is a model geometry (layers, kv heads, head_dim, f
 16 tokens); per backend and page size, one process times ROUNDS batches after one warm-up.
 Rows: op (set/get), page_bytes, radixkv_pages_per_s, file_backend_pages_per_s,
 memcpy_pages_per_s, vs_file_backend and vs_memcpy (radixkv's pages/s over theirs), and GB/s.
+
+radixkv runs twice. Cold (the radixkv_pages_per_s, vs_* columns): a pool with room for every
+batch, so each timed batch is written into pool memory no process has touched yet, and pays
+its first-touch page faults. Warm (radixkv_warm_pages_per_s, vs_*_warm): a pool of two
+batches, so each timed batch after the first reuses evicted blocks, as a full cache does. The
+memcpy copies between two tensors of the batch's size with torch's default threads (as
+radixkv's copies run), its destination already written in the warm-up: it compares
+like-for-like with the warm figure.
 """
 
 from __future__ import annotations
@@ -53,15 +61,23 @@ def model_config(path: Path, layers: int, heads: int, dim: int) -> str:
     return str(path)
 
 
-def measure(layers: int, heads: int, dim: int, batch: int, rounds: int) -> list[dict[str, Any]]:
+def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
+            profile: bool = False) -> list[dict[str, Any]]:
     geometry = {"layers": layers, "heads": heads, "head_dim": dim, "page_size": PAGE,
                 "dtype": "float16", "host_pages": 2 * batch + 8}
     with tempfile.TemporaryDirectory(prefix="rkv-hicache-") as d:
         config = model_config(Path(d) / "config.json", layers, heads, dim)
-        blocks = batch * (rounds + 1) + 8
-        with radixkv_server(d, "--model-config", config, "--dtype", "fp16", "--block-size",
-                            str(PAGE), "--num-blocks", str(blocks)) as socket:
-            rkv = run_worker("radixkv", geometry, batch, rounds, socket, {})
+        runs = {}
+        # cold: room for every batch, so each one is written into pool memory never touched
+        # before (first-touch page faults); warm: room for two batches, so from the third on
+        # a batch reuses the blocks of the one before last (evicted), as in a full cache
+        for name, blocks in (("cold", batch * (rounds + 1) + 8), ("warm", 2 * batch)):
+            with radixkv_server(d, "--model-config", config, "--dtype", "fp16",
+                                "--block-size", str(PAGE), "--num-blocks",
+                                str(blocks)) as socket:
+                runs[name] = run_worker("radixkv", geometry, batch, rounds, socket,
+                                        {"RADIXKV_BENCH_PROFILE": "1"} if profile else {})
+        rkv, warm = runs["cold"], runs["warm"]
         files = Path(d) / "files"
         files.mkdir()
         fb = run_worker("file", geometry, batch, rounds, None,
@@ -71,6 +87,7 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int) -> list[
     rows = []
     for op in ("set", "get"):
         mine = batch / statistics.median(rkv[f"{op}_s"])
+        mine_warm = batch / statistics.median(warm[f"{op}_s"][1:])  # from the third batch
         theirs = batch / statistics.median(fb[f"{op}_s"])
         rows.append({"op": op, "page_bytes": page_bytes, "batch_pages": batch,
                      "radixkv_pages_per_s": round(mine, 1),
@@ -78,8 +95,13 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int) -> list[
                      "memcpy_pages_per_s": round(memcpy, 1),
                      "vs_file_backend": round(mine / theirs, 2),
                      "vs_memcpy": round(mine / memcpy, 3),
+                     "radixkv_warm_pages_per_s": round(mine_warm, 1),
+                     "vs_file_backend_warm": round(mine_warm / theirs, 2),
+                     "vs_memcpy_warm": round(mine_warm / memcpy, 3),
                      "radixkv_gb_per_s": round(mine * page_bytes / 1e9, 3),
-                     "file_backend_gb_per_s": round(theirs * page_bytes / 1e9, 3)})
+                     "file_backend_gb_per_s": round(theirs * page_bytes / 1e9, 3),
+                     **({"profile_cold": rkv["profile"], "profile_warm": warm["profile"]}
+                        if profile else {})})
     return rows
 
 
@@ -89,11 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5,
                         help="timed batches per backend and page size (default 5)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time each RPC, copy and backend call of radixkv's batches "
+                        "(calls per batch, median ms: profile_cold, profile_warm)")
     args = parser.parse_args(argv)
     rows = []
     for layers, heads, dim in GEOMETRIES:
         log(f"bench: {layers} layers x {heads} kv heads x {dim}, page {PAGE} tokens")
-        rows += measure(layers, heads, dim, args.batch, args.rounds)
+        rows += measure(layers, heads, dim, args.batch, args.rounds, args.profile)
     emit("hicache_bench", {"rows": rows, "goals": GOALS}, args.json)
     return 0
 

@@ -135,6 +135,11 @@ class Client:
         self._info, self._epoch = info, info.epoch
         return changed
 
+    @property
+    def epoch(self) -> str | None:
+        """The pool epoch this client last heard of (None before any call that carries it)."""
+        return self._epoch
+
     def _note_epoch(self, epoch: str) -> None:
         """Match and Allocate answers carry the epoch: a new one means the service restarted,
         and their block ids belong to the new pool, so drop the old mapping now (the next

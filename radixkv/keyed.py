@@ -83,3 +83,8 @@ class KeyNamespace(Namespace):
     def shown(self, nodes: list[NodeView]) -> list[NodeView]:
         """Paged nodes (depths already in tokens) with their keys, not tokens."""
         return [dataclasses.replace(n, tokens=b"", keys=n.tokens) for n in nodes]
+
+    @property
+    def cursor_unit(self) -> tuple[int, str]:
+        """A tree-dump cursor is a path of whole keys."""
+        return self.key_size, f"{self.key_size}-byte keys"

@@ -39,7 +39,7 @@ from radixkv.index.results import BlockRemoved, InsertResult, MatchResult, NodeV
 from radixkv.index.tree import RadixTree
 from radixkv.index.window_tree import HOLE, WindowedRadixTree, WindowMatch
 from radixkv.lease_table import Lease
-from radixkv.tokens import ids_to_bytes, num_tokens
+from radixkv.tokens import block_bytes, ids_to_bytes, num_tokens
 from radixkv.types import LeaseMatch, NamespaceStats, WindowLeaseMatch
 
 Claim = Callable[[Lease, int, set[int], str], None]  # LeaseTable.claim: one id for an Insert
@@ -235,6 +235,11 @@ class Namespace:
     def shown(self, nodes: list[NodeView]) -> list[NodeView]:
         """Tree nodes as this kind shows them (key-keyed: keys, not tokens)."""
         return nodes
+
+    @property
+    def cursor_unit(self) -> tuple[int, str]:
+        """What a tree-dump cursor is a path of: bytes per tree block, and their name."""
+        return block_bytes(self.block_size), f"{self.block_size}-token blocks"
 
     def nodes(self, max_depth: int = 0) -> list[NodeView]:
         """The tree's nodes, DFS pre-order, at most `max_depth` edges deep when > 0."""

@@ -61,7 +61,6 @@ from radixkv.namespaces import Namespaces
 from radixkv.reclaim import Reclaimer
 from radixkv.service_config import ServiceConfig
 from radixkv.tiers import NoTier
-from radixkv.tokens import block_bytes
 from radixkv.types import Allocation, DumpPage, LeaseMatch, ServiceStats
 from radixkv.validation import InputChecks, check_namespace, hint_codes
 
@@ -385,8 +384,7 @@ class KVService:
                 raise NotFound(f"namespace {namespace!r} does not exist (known: "
                                f"{', '.join(self._namespaces.names()) or 'none'})")
             ns = self._namespaces[namespace]
-            unit, what = ((ns.key_size, f"{ns.key_size}-byte keys") if ns.key_size else
-                          (block_bytes(self.block_size), f"{self.block_size}-token blocks"))
+            unit, what = ns.cursor_unit
             if len(cursor) % unit:
                 raise InvalidArgument(f"cursor of {len(cursor)} bytes is not a path of whole "
                                       f"{what}: pass a next_cursor back")

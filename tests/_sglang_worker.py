@@ -5,7 +5,7 @@ as the storage backend, driven by JSON commands, one per stdin line, one JSON an
     {"op": "open", "name": "a", "layout": "page_first", "socket": "...", "tp_rank": 0, ...}
     {"op": "write", "name": "a", "tokens": [...], "seed": 1}   -> pages stored, page digests
     {"op": "prefetch", "name": "a", "tokens": [...]}           -> hit / loaded tokens, digests
-    {"op": "exists" | "get" | "set", ...}                      -> the backend called directly
+    {"op": "exists" | "get" | "clear", ...}                    -> the backend called directly
     {"op": "errors"}                       -> errors SGLang's threads logged since the last ask
 
 Every answer also reports whether an exception escaped (it must not)."""
@@ -103,6 +103,24 @@ class Worker:
 
         info = HiCacheStorageExtraInfo(prefix_keys=prefix)
         return {"exists": self.backend(name).batch_exists(keys, info)}
+
+    def get(self, name: str, keys: list[str], prefix: list[str] | None = None) -> Any:
+        """batch_get_v1 into fresh host slots: which pages loaded, and their digests."""
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+        cc = self.cc[name]
+        slots = cc.mem_pool_host.alloc(len(keys) * cc.page_size)
+        try:
+            done = self.backend(name).batch_get_v1(keys, slots,
+                                                   HiCacheStorageExtraInfo(prefix_keys=prefix))
+            loaded = done.count(True)
+            return {"done": done, "pages": digests(cc, slots[:loaded * cc.page_size])}
+        finally:
+            cc.mem_pool_host.free(slots)
+
+    def clear(self, name: str) -> dict[str, Any]:
+        self.backend(name).clear()
+        return {}
 
     def keys(self, name: str, tokens: list[int]) -> dict[str, Any]:
         return {"keys": h.page_keys(tokens, self.cc[name].page_size)}

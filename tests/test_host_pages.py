@@ -37,15 +37,37 @@ def test_pages_round_trip_in_canonical_order(layout: str) -> None:
     pages = HostPages(layout, P)
     slots = torch.tensor([4 * P, 1 * P, 3 * P])
     pool = torch.zeros(8, L, 2, P, H, D)
-    pages.to_pool(kv, slots, pool, [7, 0, 2])
+    pages.copy(kv, slots, pool, [7, 0, 2], to_pool=True)
     for slot, block in zip(slots.tolist(), [7, 0, 2], strict=True):
         assert torch.equal(pool[block], canonical(kv, layout, slot))
     assert not pool[[1, 3, 4, 5, 6]].any()
     back = torch.zeros_like(kv)
-    pages.from_pool(back, torch.tensor([0, 5 * P]), pool, [2, 7])
+    pages.copy(back, torch.tensor([0, 5 * P]), pool, [2, 7], to_pool=False)
     assert torch.equal(canonical(back, layout, 0), pool[2])
     assert torch.equal(canonical(back, layout, 5 * P), pool[7])
     assert not canonical(back, layout, 2 * P).any()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_runs_of_consecutive_pages_copy_as_one(layout: str) -> None:
+    """Pages consecutive on both sides are one copy; runs break where either side jumps, and
+    every page still lands in its own block (element by element)."""
+    kv = host_buffer(layout)
+    pages = HostPages(layout, P)
+    page_slots = [1, 2, 3, 5, 0, 4]
+    blocks = [2, 3, 4, 5, 0, 7]  # slots 1-3 -> blocks 2-4 one run; 5 -> 5 breaks on the slot
+    assert pages.runs([s * P for s in page_slots], blocks) == [
+        (1 * P, 2, 3), (5 * P, 5, 1), (0, 0, 1), (4 * P, 7, 1)]
+    pool = torch.zeros(8, L, 2, P, H, D)
+    pages.copy(kv, torch.tensor(page_slots) * P, pool, blocks, to_pool=True)
+    for slot, block in zip(page_slots, blocks, strict=True):
+        assert torch.equal(pool[block], canonical(kv, layout, slot * P))
+    assert not pool[[1, 6]].any()
+    back = torch.zeros_like(kv)
+    pages.copy(back, torch.tensor(page_slots) * P, pool, blocks, to_pool=False)
+    assert torch.equal(back, kv)
+    with pytest.raises(ValueError, match="2 host pages for 1 pool blocks"):
+        pages.copy(kv, torch.tensor([0, P]), pool, [0], to_pool=True)
 
 
 def test_other_layouts_are_refused_by_name() -> None:

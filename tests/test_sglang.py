@@ -127,11 +127,101 @@ def test_leading_run_stops_at_an_evicted_middle_page(workers: dict[str, Worker])
         # a chain whose third page is missing: only pages 0 and 1 count, page 3 is never read
         assert b("exists", name="gap", keys=keys[:2] + [keys[3]] + [keys[2]])["exists"] == 2
         assert b("exists", name="gap", keys=keys[2:], prefix=keys[:2])["exists"] == 2
-        with Client(server.socket) as kv:  # evict the tail: a clear, then pages 0-1 again
-            kv.clear(next(n["namespace"] for n in kv.stats()["namespaces"]))
+        b("clear", name="gap")  # evict the tail: a clear (B's held leases ended), then 0-1 again
         a("write", name="gap", tokens=seq[:2 * PAGE], seed=3)
         got = b("prefetch", name="gap", tokens=seq)
         assert got["hit"] == got["loaded"] == 2 * PAGE
+    no_errors(a, b)
+
+
+def matches(server: Any) -> int:
+    """Match queries radixkv answered in the (one) namespace so far."""
+    with Client(server.socket) as kv:
+        (n,) = kv.stats()["namespaces"]
+        return int(n["requests"])
+
+
+def test_a_prefetch_gets_under_the_lease_of_its_exists(workers: dict[str, Worker]) -> None:
+    """SGLang's batch_exists then batch_get_v1 of (a leading part of) the same keys: one Match
+    for both, A's bytes, and the lease released once, by the get."""
+    a, b = workers["A"], workers["B"]
+    with running_server(num_blocks=32) as server:
+        a("open", name="held", socket=server.socket)
+        b("open", name="held", socket=server.socket)
+        seq = tokens(6000, 6)
+        wrote = a("write", name="held", tokens=seq, seed=4)
+        keys = a("keys", name="held", tokens=seq)["keys"]
+        before = matches(server)
+        assert b("exists", name="held", keys=keys[2:], prefix=keys[:2])["exists"] == 4
+        got = b("get", name="held", keys=keys[2:5], prefix=keys[:2])
+        assert got["done"] == [True] * 3 and got["pages"] == wrote["pages"][2:5]
+        assert matches(server) == before + 1  # the get matched nothing itself
+        with Client(server.socket) as kv:
+            s = kv.stats(check_integrity=True)
+            assert s["integrity"] == "ok" and s["live_leases"] == 0
+        got = b("prefetch", name="held", tokens=seq)  # through SGLang's controller
+        assert got["loaded"] == len(seq) and got["pages"] == wrote["pages"]
+        assert matches(server) == before + 2
+        assert b("stats", name="held")["stats"]["get_held_leases"] == 2
+    no_errors(a, b)
+
+
+def test_a_get_of_other_keys_matches_afresh(workers: dict[str, Worker]) -> None:
+    """A get whose keys are not those of the exists before it (another sequence; another
+    prefix) matches them itself; the exists' lease ends once it is too old to use."""
+    a, b = workers["A"], workers["B"]
+    with running_server(num_blocks=32) as server:
+        a("open", name="other", socket=server.socket)
+        # 0.2 s is below radixkv's shortest TTL (1 s): the backend asks for 1 s
+        b("open", name="other", socket=server.socket, extra={"exists_hold_s": 0.2})
+        one, two = tokens(7000, 3), tokens(8000, 3)
+        a("write", name="other", tokens=one, seed=1)
+        wrote = a("write", name="other", tokens=two, seed=2)
+        k1 = a("keys", name="other", tokens=one)["keys"]
+        k2 = a("keys", name="other", tokens=two)["keys"]
+        assert b("exists", name="other", keys=k1)["exists"] == 3
+        before = matches(server)
+        got = b("get", name="other", keys=k2)
+        assert got["done"] == [True] * 3 and got["pages"] == wrote["pages"]
+        assert b("get", name="other", keys=k2[1:], prefix=k1[:1])["done"] == [False] * 2
+        assert matches(server) == before + 2
+        with Client(server.socket) as kv:
+            assert kv.stats()["live_leases"] == 1  # the exists' lease, still held
+        time.sleep(0.6)  # past half its 1 s: dropped at the next call, released
+        assert b("get", name="other", keys=k1)["done"] == [True] * 3
+        with Client(server.socket) as kv:
+            assert kv.stats()["live_leases"] == 0
+        assert b("stats", name="other")["stats"]["get_held_leases"] == 0
+    no_errors(a, b)
+
+
+def test_a_get_after_radixkv_restarted_loads_no_stale_page(workers: dict[str, Worker]) -> None:
+    """radixkv restarts between batch_exists and batch_get_v1 (the exists' lease ended with
+    its pool) and the keys are stored again with other bytes: the get loads nothing, or the
+    new bytes, never the old pool's; the next prefetch loads the new bytes."""
+    a, b = workers["A"], workers["B"]
+    with tempfile.TemporaryDirectory(prefix="rkv-") as d:
+        sock = os.path.join(d, "s.sock")
+        seq = tokens(9000, 3)
+        with running_server(num_blocks=32, socket_path=sock):
+            a("open", name="restart", socket=sock, extra={"retry_s": 0.2})
+            b("open", name="restart", socket=sock, extra={"retry_s": 0.2})
+            old = a("write", name="restart", tokens=seq, seed=1)
+            keys = a("keys", name="restart", tokens=seq)["keys"]
+            assert b("exists", name="restart", keys=keys)["exists"] == 3
+        with running_server(num_blocks=32, socket_path=sock):
+            deadline = time.monotonic() + 10
+            while (new := a("write", name="restart", tokens=seq, seed=2))["stored"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert new["pages"] != old["pages"]
+            got = b("get", name="restart", keys=keys)
+            assert got["pages"] in ([], new["pages"])
+            deadline = time.monotonic() + 10
+            while (got := b("prefetch", name="restart", tokens=seq))["loaded"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert got["pages"] == new["pages"]
     no_errors(a, b)
 
 

@@ -307,8 +307,8 @@ class HostPages:
     - page_first_direct: [2, pages, layers, page_size, kv_heads, head_dim]; slot s is in page
       s // page_size.
 
-    Copies go page by page, each one strided copy between views (on CPU, torch's indexed
-    gather / scatter of fp16 pages measured an order of magnitude slower)."""
+    Each run of pages consecutive in both pools is one strided copy between views (on CPU,
+    torch's indexed gather / scatter of fp16 pages measured an order of magnitude slower)."""
 
     layout: str  # "page_first" | "page_first_direct"
     page_size: int
@@ -320,21 +320,39 @@ class HostPages:
             raise LayoutError(f"SGLang host pool layout {self.layout!r} is not supported "
                               f"(use --hicache-mem-layout {' or '.join(self.LAYOUTS)})")
 
-    def _page(self, kv: torch.Tensor, slot: int) -> torch.Tensor:
-        """The host page starting at `slot`, as a view in the canonical
-        [layers, 2, block, heads, dim] order."""
+    def _pages(self, kv: torch.Tensor, slot: int, count: int) -> torch.Tensor:
+        """`count` host pages from the one starting at `slot` on (consecutive slots), as a view
+        in the canonical [count, layers, 2, block, heads, dim] order."""
         if self.layout == "page_first":
-            return kv[:, slot:slot + self.page_size].permute(2, 0, 1, 3, 4)
-        return kv[:, slot // self.page_size].transpose(0, 1)
+            run = kv[:, slot:slot + count * self.page_size]  # [2, tokens, layers, heads, dim]
+            return run.view(2, count, self.page_size, *run.shape[2:]).permute(1, 3, 0, 2, 4, 5)
+        page = slot // self.page_size  # [2, pages, layers, page, heads, dim]
+        return kv[:, page:page + count].permute(1, 2, 0, 3, 4, 5)
 
-    def to_pool(self, kv: torch.Tensor, slots: torch.Tensor, pool_view: torch.Tensor,
-                blocks: Sequence[int]) -> None:
-        """Copy the host pages at `slots` into pool blocks `blocks` (same order)."""
-        for slot, block in zip(slots.tolist(), blocks, strict=True):
-            pool_view[block].copy_(self._page(kv, slot))
+    def copy(self, kv: torch.Tensor, slots: torch.Tensor, pool_view: torch.Tensor,
+             blocks: Sequence[int], to_pool: bool) -> None:
+        """Copy between the host pages at `slots` (their first slots) and pool blocks `blocks`
+        (same order): into the pool with `to_pool`, else out of it. Each run of pages that are
+        consecutive on both sides is one strided copy."""
+        for slot, block, count in self.runs(slots.tolist(), list(blocks)):
+            host = self._pages(kv, slot, count)
+            pool = pool_view[block:block + count]
+            if to_pool:
+                pool.copy_(host)
+            else:
+                host.copy_(pool)
 
-    def from_pool(self, kv: torch.Tensor, slots: torch.Tensor, pool_view: torch.Tensor,
-                  blocks: Sequence[int]) -> None:
-        """Copy pool blocks `blocks` into the host pages at `slots` (same order)."""
-        for slot, block in zip(slots.tolist(), blocks, strict=True):
-            self._page(kv, slot).copy_(pool_view[block])
+    def runs(self, slots: list[int], blocks: list[int]) -> list[tuple[int, int, int]]:
+        """(first slot, first block, pages) of each run of pages consecutive in both the host
+        pool and radixkv's pool."""
+        if len(slots) != len(blocks):
+            raise ValueError(f"{len(slots)} host pages for {len(blocks)} pool blocks")
+        out: list[tuple[int, int, int]] = []
+        for slot, block in zip(slots, blocks, strict=True):
+            if out:
+                first, start, count = out[-1]
+                if slot == first + count * self.page_size and block == start + count:
+                    out[-1] = (first, start, count + 1)
+                    continue
+            out.append((slot, block, 1))
+        return out

@@ -31,6 +31,25 @@ class LayoutMismatch(RuntimeError):
     """radixkv's pool layout does not fit the engine's KV (the message names both)."""
 
 
+def check_pool_layout(client: Client, want: tuple[int, int, int, str, int], engine: str,
+                      size_name: str, fix: str) -> None:
+    """LayoutMismatch unless radixkv's pool is full attention, unquantized, and has `want`
+    (layers, kv heads, head_dim, dtype, block size); the message names both layouts (`engine`:
+    whose KV, `size_name`: what the engine calls its block size) and `fix` (how to start
+    radixkv so that it fits)."""
+    have = client.pool_info().layout
+    got = (have.num_layers, have.num_kv_heads, have.head_dim, have.dtype, have.block_size)
+    if got != want or have.is_quantized or have.is_windowed:
+        layers, heads, dim, dtype, size = want
+        raise LayoutMismatch(
+            f"radixkv's pool layout ({have.num_layers} layers, {have.num_kv_heads} kv heads x "
+            f"{have.head_dim}, {have.dtype}, block_size {have.block_size}"
+            f"{', quantized' if have.is_quantized else ''}"
+            f"{', sliding window' if have.is_windowed else ''}) does not fit {engine} "
+            f"({layers} layers, {heads} kv heads x {dim}, {dtype}, {size_name} {size}): "
+            f"start radixkv with {fix}")
+
+
 class Link:
     """One lazily created Client (`client_id` shared by the engine's processes, so that a
     lease taken by one is ended by another), its outages, and the layout check."""

@@ -14,9 +14,12 @@ hash before it), never by tokens, so pages live in a key-keyed radixkv namespace
 call's pages extend the tree path of their prefix wherever SGLang cut its batches; without it a
 call's keys stand alone (a path from the root).
 
-- `batch_exists`: the leading run of keys cached (Match; the lease is released at once).
-- `batch_get_v1`: Match pins the cached run; its blocks are copied from radixkv's mapped pool
-  into SGLang's host pool slots, then the lease is released. A key past a gap is never loaded.
+- `batch_exists`: the leading run of keys cached (Match). Its lease, which pins that run, is
+  held for the `batch_get_v1` of those keys that SGLang sends next (radixkv.integrations.held;
+  `exists_hold_s` in the extra config, 0: released at once).
+- `batch_get_v1`: under the exists' lease (else a fresh Match), the cached run's blocks are
+  copied from radixkv's mapped pool into SGLang's host pool slots, then the lease is released:
+  one Match and one Release per prefetched batch. A key past a gap is never loaded.
 - `batch_set_v1`: Match, which also allocates blocks for the uncached pages, copy the host pages
   into them, Insert (which ends the lease): two calls. Pages already cached are not copied
   again; no room (every block pinned) fails the uncached pages only.
@@ -47,10 +50,13 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from radixkv.client import Client
+from radixkv.errors import LeaseExpired, NotFound, PermissionDenied
+from radixkv.integrations.held import HeldLeases
 from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
-from radixkv.integrations.link import Down, LayoutMismatch, Link
+from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
 from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
 from radixkv.types import LeaseMatch
+from radixkv.validation import MIN_LEASE_TTL_S
 
 log = logging.getLogger("radixkv.integrations.sglang")
 
@@ -69,8 +75,11 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         self.mem_pool_host: Any = None
         self.stats = {"exists_calls": 0, "exists_hit_pages": 0, "get_pages": 0,
                       "get_failed_pages": 0, "set_pages": 0, "set_stored_pages": 0,
-                      "set_failed_pages": 0, "unavailable": 0}
+                      "set_failed_pages": 0, "unavailable": 0, "get_held_leases": 0,
+                      "get_leases_lost": 0}
         self._warned_prefix = False
+        self.hold_s = float(extra.get("exists_hold_s", 5.0))  # within radixkv's TTL cap
+        self.held = HeldLeases(self.hold_s)
         # per batch since the last get_stats, as SGLang's storage metrics take them
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [],
@@ -114,18 +123,13 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         return _UNSAFE.sub("_", name)[:256]
 
     def _check(self, client: Client) -> None:
-        have = client.pool_info().layout
-        got = (have.num_layers, have.num_kv_heads, have.head_dim, have.dtype, have.block_size)
-        if got != self.want or have.is_quantized or have.is_windowed:
-            layers, heads, dim, dtype, page = self.want
-            raise LayoutMismatch(
-                f"radixkv's pool layout ({have.num_layers} layers, {have.num_kv_heads} kv heads "
-                f"x {have.head_dim}, {have.dtype}, block_size {have.block_size}"
-                f"{', quantized' if have.is_quantized else ''}"
-                f"{', sliding window' if have.is_windowed else ''}) does not fit SGLang's host "
-                f"KV pool ({layers} layers, {heads} kv heads x {dim}, {dtype}, page_size "
-                f"{page}): start radixkv with --dtype {dtype} --block-size {page} and this "
-                "model's config")
+        dtype, page = self.want[3], self.want[4]
+        check_pool_layout(client, self.want, "SGLang's host KV pool", "page_size",
+                          f"--dtype {dtype} --block-size {page} and this model's config")
+        if self.hold_s > 0:  # a TTL radixkv grants: within [min(1 s, its default), its cap]
+            info = client.pool_info()
+            low = min(MIN_LEASE_TTL_S, info.lease_ttl_s)
+            self.held.hold_s = min(max(self.hold_s, low), info.max_lease_ttl_s)
 
     # ---- the v1 zero-copy interface ----------------------------------------------------------
 
@@ -137,9 +141,14 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return 0
 
         def run(client: Client) -> int:
-            m = self._match(client, path)
-            client.release(m.lease_id)
-            return max(0, len(m.block_ids) - skip)
+            sent = time.monotonic()
+            m = self._match(client, path, ttl=self.held.hold_s)
+            hits = max(0, len(m.block_ids) - skip)
+            if hits and self.held.hold_s > 0:  # pinned for the get that follows
+                self._release(client, self.held.hold(path, skip, m, sent))
+            else:
+                client.release(m.lease_id)
+            return hits
 
         hits = self._call(run, 0)
         self.stats["exists_hit_pages"] += hits
@@ -155,16 +164,29 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return out
 
         def run(client: Client) -> int:
-            m = self._match(client, path)
+            m, stale = self.held.take(path, skip)
+            self._release(client, stale)
+            if m is not None and m.epoch != client.epoch:
+                m = None  # radixkv restarted since the exists: that lease went with its pool
+            if m is None:
+                m = self._match(client, path)
+            else:
+                self.stats["get_held_leases"] += 1
             try:
-                blocks = m.block_ids[skip:]
+                blocks = m.block_ids[skip:len(path)]
                 mapping = client.pool_of(m.epoch)
                 slots = host_indices[:len(blocks) * self.mem_pool_host.page_size]
                 assert self.pages is not None
-                self.pages.from_pool(self.mem_pool_host.kv_buffer, self._starts(slots),
-                                     mapping.view(), blocks)
+                self.pages.copy(self.mem_pool_host.kv_buffer, self._starts(slots),
+                                mapping.view(), blocks, to_pool=False)
             finally:
-                client.release(m.lease_id)  # raises if the lease (and the pin) was lost
+                try:  # the pin held through the copy only if the lease is still valid now
+                    client.release(m.lease_id)
+                except (LeaseExpired, NotFound, PermissionDenied) as e:
+                    self.stats["get_leases_lost"] += 1
+                    log.warning("radixkv: a prefetch's lease ended before its copy did (%s): "
+                                "its %d pages are not loaded", e, len(keys))
+                    blocks = ()
             return len(blocks)
 
         start = time.perf_counter()
@@ -193,8 +215,8 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             page = self.mem_pool_host.page_size
             slots = host_indices[(have - skip) * page:len(keys) * page]
             assert self.pages is not None
-            self.pages.to_pool(self.mem_pool_host.kv_buffer, self._starts(slots),
-                               client.pool_of(m.epoch).view(), ids)
+            self.pages.copy(self.mem_pool_host.kv_buffer, self._starts(slots),
+                            client.pool_of(m.epoch).view(), ids, to_pool=True)
             client.insert_keys(self.namespace, path, m.block_ids + ids, m.lease_id,
                                epoch=m.epoch, release=True)
             self.stats["set_stored_pages"] += len(ids)
@@ -270,8 +292,14 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
     # ---- the rest ----------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop this namespace's pages from radixkv (refused there while any is in use)."""
-        self._call(lambda c: c.clear(self.namespace), 0)
+        """Drop this namespace's pages from radixkv (refused there while any is in use; the
+        leases this backend holds for prefetches are released first)."""
+
+        def run(client: Client) -> int:
+            self._release(client, self.held.drain())
+            return client.clear(self.namespace)
+
+        self._call(run, 0)
 
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics (pages and GB/s per batch since the last call), as its
@@ -290,6 +318,9 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         return {**self.stats, "link_failures": self.link.failures}
 
     def close(self) -> None:
+        ids = self.held.drain()
+        if ids:
+            self._call(lambda c: self._release(c, ids), None)
         self.link.close()
 
     # ---- internals ---------------------------------------------------------------------------
@@ -318,11 +349,12 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return None, 0
         return path, len(prefix or ())
 
-    def _match(self, client: Client, path: list[bytes], store: bool = False) -> LeaseMatch:
-        """Match `path` in the namespace. If radixkv restarted since its layout was checked,
-        the new pool's layout is checked first (LayoutMismatch, after releasing, if it no
-        longer fits: the link then refuses)."""
-        m = client.match_keys(self.namespace, path, store=store)
+    def _match(self, client: Client, path: list[bytes], store: bool = False,
+               ttl: float = 0.0) -> LeaseMatch:
+        """Match `path` in the namespace (a lease of `ttl` s; 0: radixkv's default). If radixkv
+        restarted since its layout was checked, the new pool's layout is checked first
+        (LayoutMismatch, after releasing, if it no longer fits: the link then refuses)."""
+        m = client.match_keys(self.namespace, path, ttl=ttl, store=store)
         if self.link.note_epoch(m.epoch):
             try:
                 self._check(client)
@@ -331,6 +363,17 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                 raise
             self.link.confirm_epoch(m.epoch)
         return m
+
+    @staticmethod
+    def _release(client: Client, leases: list[LeaseMatch]) -> None:
+        """End held leases no get will use, those of the pool radixkv serves now (the others
+        ended with their pool); one that already ended is fine."""
+        ids = [m.lease_id for m in leases if m.epoch == client.epoch]
+        if ids:
+            try:
+                client.release(*ids)
+            except (LeaseExpired, NotFound, PermissionDenied):
+                pass
 
     def _record(self, what: str, pages: int, seconds: float) -> None:
         if pages and self.pages is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from gpu_pool.layout import KVLayout
 from radixkv.client import STORE_ALL, Client
-from radixkv.integrations.link import Down, LayoutMismatch, Link
+from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
 
 DTYPES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
@@ -85,18 +85,9 @@ def serve_flags(vllm_config: Any, layout: KVLayout) -> str:
 
 def check_layout(client: Client, want: KVLayout, flags: str) -> None:
     """LayoutMismatch naming both layouts and the fitting `radixkv serve` flags."""
-    have = client.pool_info().layout
-    same = (have.num_layers, have.num_kv_heads, have.head_dim, have.dtype, have.block_size) == (
-        want.num_layers, want.num_kv_heads, want.head_dim, want.dtype, want.block_size)
-    if not same or have.is_quantized or have.is_windowed:
-        raise LayoutMismatch(
-            f"radixkv's pool layout ({have.num_layers} layers, {have.num_kv_heads} kv heads x "
-            f"{have.head_dim}, {have.dtype}, block_size {have.block_size}"
-            f"{', quantized' if have.is_quantized else ''}"
-            f"{', sliding window' if have.is_windowed else ''}) does not fit this vLLM "
-            f"model's KV ({want.num_layers} layers, {want.num_kv_heads} kv heads x "
-            f"{want.head_dim}, {want.dtype}, block_size {want.block_size}): start radixkv "
-            f"with `radixkv serve {flags}`")
+    check_pool_layout(client, (want.num_layers, want.num_kv_heads, want.head_dim, want.dtype,
+                               want.block_size), "this vLLM model's KV", "block_size",
+                      f"`radixkv serve {flags}`")
 
 
 def base_namespace(vllm_config: Any, configured: str | None) -> str:
