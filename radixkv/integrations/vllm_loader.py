@@ -11,7 +11,9 @@ step's saves and its report of failed blocks) waits for the thread.
 
 The thread runs on the CPUs the engine's own thread is not bound to (`cpus="auto"`: vLLM's CPU
 worker binds its threads with VLLM_CPU_OMP_THREADS_BIND), so that the copy runs beside the
-forward rather than taking turns with it; where the engine has every CPU it shares them. The
+forward rather than taking turns with it; where the engine has every CPU it shares them. OpenMP
+moves the thread onto the engine's first CPU when it first runs vLLM's (parallel) cache-write
+op: `_pin` puts it back after each layer. The
 copies release the GIL (torch ops, vLLM's cache-write op). Only the thread touches the radixkv
 client between `start` and `finish` (the engine's thread does not use it during the forward).
 """
@@ -66,6 +68,7 @@ class Job:
     failed: set[int] = field(default_factory=set)  # loads (their index) that failed
     cpu_s: float = 0.0  # the thread's CPU time on this job
     copy_s: float = 0.0  # the thread's wall time on this job (copies and Releases)
+    ran_on: list[int] = field(default_factory=list)  # the thread's CPUs at the job's end
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class Finished:
     waited_layers: int  # layers the forward waited for (vLLM's wait_for_layer_load)
     cpu_s: float
     copy_s: float
+    ran_on: list[int]
 
 
 class LayerLoader:
@@ -135,7 +139,7 @@ class LayerLoader:
         loads = [ld for ld, _ in job.loads]
         return Finished(loads, [loads[k] for k in sorted(job.failed)],
                         self._wait_s + time.perf_counter() - t0, self._waited, job.cpu_s,
-                        job.copy_s)
+                        job.copy_s, job.ran_on)
 
     def finish_if_pending(self) -> Finished | None:
         return self.finish() if self._job is not None else None
@@ -148,14 +152,21 @@ class LayerLoader:
 
     # ---- the loader thread -----------------------------------------------------------------
 
+    def _pin(self) -> None:
+        """Keep this thread on `cpus`. OpenMP (GOMP_CPU_AFFINITY or OMP_PLACES, as vLLM binds
+        its threads) binds a thread to the first place when it first opens a parallel region,
+        as vLLM's cache-write op does: the thread is put back once, after which it stays."""
+        if self.cpus is None or os.sched_getaffinity(0) == self.cpus:
+            return
+        try:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
+        except OSError as e:
+            self.link.log.warning("radixkv: cannot pin the KV loader to CPUs %s (%s); it "
+                                  "shares the engine's", sorted(self.cpus), e)
+            self.cpus = None
+
     def _run(self) -> None:
-        if self.cpus is not None:
-            try:
-                os.sched_setaffinity(0, self.cpus)  # this thread only
-            except OSError as e:
-                self.link.log.warning("radixkv: cannot pin the KV loader to CPUs %s (%s); it "
-                                      "shares the engine's", sorted(self.cpus), e)
-                self.cpus = None
+        self._pin()
         while True:
             job = self._queue.get()
             if job is None:
@@ -171,6 +182,7 @@ class LayerLoader:
                 for ev in job.done_layers:
                     ev.set()
                 job.cpu_s, job.copy_s = time.thread_time() - c0, time.perf_counter() - t0
+                job.ran_on = sorted(os.sched_getaffinity(0))
                 job.done.set()
 
     def _copy(self, job: Job) -> None:
@@ -184,6 +196,7 @@ class LayerLoader:
                     job.failed.add(k)
                     self.link.log.error("radixkv: cannot copy into vLLM's KV pages: %s", e)
             job.done_layers[i].set()
+            self._pin()
 
     def _release(self, job: Job) -> None:
         for k, (ld, _) in enumerate(job.loads):

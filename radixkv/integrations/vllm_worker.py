@@ -141,7 +141,7 @@ class WorkerSide:
             cost: dict[str, Any] = {
                 "cpu_s": done.cpu_s / n, "copy_s": done.copy_s / n, "layerwise": True,
                 "waited_layers": done.waited_layers,
-                "loader_cpus": sorted(loader.cpus) if loader.cpus else "engine"}
+                "loader_cpus": done.ran_on}  # where it ran: the engine's CPUs, or others
             if ld in done.failed:
                 self._failed(ld, done.wait_s / n, cost)
             else:
