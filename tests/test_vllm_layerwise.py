@@ -149,6 +149,29 @@ def test_a_load_from_a_gone_pool_fails_before_any_copy(stored: tuple[str, dict[s
         reader.link.close()
 
 
+def test_a_copy_that_fails_fails_its_load_only(stored: tuple[str, dict[str, Any]]) -> None:
+    """Two loads in one step, the first into pages vLLM does not have: it fails (its lease
+    ended all the same), the second arrives whole, and no wait hangs."""
+    sock, written = stored
+    reader = worker(sock, "reader5", caches(None))
+    try:
+        client = reader.link.client
+        bad, good = client.match("ns", TOKENS, 60.0), client.match("ns", TOKENS, 60.0)
+        reader.start_loads([
+            Load("bad", bad.lease_id, bad.epoch, tuple(bad.block_ids), (PAGES + 5,) * 4),
+            Load("good", good.lease_id, good.epoch, tuple(good.block_ids), tuple(READER_PAGES))])
+        for name in reader.names:
+            reader.wait_layer(name)
+            assert arrived(reader, written, name), name
+        assert reader.take_failed() == {PAGES + 5}
+        for lease in (bad, good):
+            with pytest.raises((LeaseExpired, NotFound)):
+                client.keep_alive(lease.lease_id)
+    finally:
+        reader.close()
+        reader.link.close()
+
+
 def test_the_forward_waits_only_for_its_layer(stored: tuple[str, dict[str, Any]]) -> None:
     """Two steps in a row, each waited on from another thread than the one that started it
     (the loader thread is shared, one job at a time): every wait returns with its layer there."""

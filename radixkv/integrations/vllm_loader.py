@@ -31,7 +31,7 @@ import torch
 
 from radixkv.client import Client
 from radixkv.errors import LeaseExpired, NotFound
-from radixkv.integrations.layout import LayoutError, Pages
+from radixkv.integrations.layout import Pages
 from radixkv.integrations.link import Down, Link
 from radixkv.integrations.vllm_scheduler import Load
 
@@ -192,16 +192,16 @@ class LayerLoader:
                     continue
                 try:
                     job.pages.from_pool([kv], ld.pages, view[:, i:i + 1], ld.blocks)
-                except (LayoutError, RuntimeError) as e:
+                except Exception as e:  # noqa: BLE001 - this load fails, the others go on
                     job.failed.add(k)
-                    self.link.log.error("radixkv: cannot copy into vLLM's KV pages: %s", e)
+                    self.link.log.error("radixkv: cannot copy request %s's KV into vLLM's "
+                                        "pages: %s: %s", ld.req_id, type(e).__name__, e)
             job.done_layers[i].set()
             self._pin()
 
     def _release(self, job: Job) -> None:
+        """End every lease (a failed load's too: its pins are no longer needed)."""
         for k, (ld, _) in enumerate(job.loads):
-            if k in job.failed:
-                continue
             if not self._release_one(ld):
                 job.failed.add(k)
 
