@@ -5,7 +5,8 @@ their own, which copies layer 0 of every load, then layer 1, and so on, marking 
 vLLM's attention of layer i waits for layer i only (`wait_layer`, from `wait_for_layer_load`),
 so the forward of the first layers runs while the later ones are copied. After the last layer
 the thread ends each load's lease (Release): a lease that ended before means the blocks may have
-been reused while being copied, and the load's pages are reported failed (vLLM then discards the
+been reused while being copied, and the load's pages are reported failed, as are those of a
+copy that raised (vLLM then discards the
 request's output of this step and recomputes them). `finish` (after the forward, before the
 step's saves and its report of failed blocks) waits for the thread.
 
@@ -13,8 +14,8 @@ The thread runs on the CPUs the engine's own thread is not bound to (`cpus="auto
 worker binds its threads with VLLM_CPU_OMP_THREADS_BIND), so that the copy runs beside the
 forward rather than taking turns with it; where the engine has every CPU it shares them. OpenMP
 moves the thread onto the engine's first CPU when it first runs vLLM's (parallel) cache-write
-op: `_pin` puts it back after each layer. The
-copies release the GIL (torch ops, vLLM's cache-write op). Only the thread touches the radixkv
+op: `_pin` puts it back after each layer. The copies release the GIL (torch ops, vLLM's
+cache-write op). Only the thread touches the radixkv
 client between `start` and `finish` (the engine's thread does not use it during the forward).
 """
 
