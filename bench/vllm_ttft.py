@@ -20,11 +20,15 @@ sC (prompts of `--prompt-tokens`):
                                  tokens show it), then P+sA again           -> its hit, for scale
 
 A, B and E run without vLLM's own prefix cache. The connector's own cost is read from B's
-`stats_file` (radixkv.integrations.vllm): the scheduler's Match plus the worker's copy into vLLM's
-pages and Release, as a share of B's TTFT; storing (Match with allocation, copy, Insert) runs
-after the first token and is reported apart. Greedy outputs (`--max-tokens`) are compared with
-E's run of P+sB, a full prefill where E missed (`outputs_identical`), and with vLLM's own prefix
-cache on the same prompt (`outputs_identical_to_vllm_prefix_cache`).
+`stats_file` (radixkv.integrations.vllm): the scheduler's Match plus the time the engine's
+thread waits for the load (copy into vLLM's pages and Release), as a share of B's TTFT
+(`connector_share`); loads are copied layer by layer on a thread beside the forward (on the
+CPUs the engines are not pinned to, `--load-cpus`), whose own CPU time gives
+`connector_cpu_share`; `--whole-loads` copies them before the forward instead. Storing (Match
+with allocation, copy, Insert) runs after the first token and is reported apart. Greedy outputs
+(`--max-tokens`) are compared with E's run of P+sB, a full prefill where E missed
+(`outputs_identical`), and with vLLM's own prefix cache on the same prompt
+(`outputs_identical_to_vllm_prefix_cache`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Stats:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
+        self.loader_cpus: list[Any] = []  # the loader thread's CPUs, as the loads report them
 
     def new(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -61,7 +66,11 @@ class Stats:
             text = f.read()
         end = text.rfind("\n") + 1  # whole lines only
         self.offset += len(text[:end].encode())
-        return [json.loads(line) for line in text[:end].splitlines() if line]
+        lines = [json.loads(line) for line in text[:end].splitlines() if line]
+        for x in lines:
+            if "loader_cpus" in x and x["loader_cpus"] not in self.loader_cpus:
+                self.loader_cpus.append(x["loader_cpus"])
+        return lines
 
     def until_saved(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         """The new lines, once the request's store has run (a "save" line, or a store Match
@@ -129,7 +138,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "kv_connector_module_path": "radixkv.integrations.vllm",
                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                         "kv_connector_extra_config": {"socket": sock,
-                                                      "stats_file": str(work / name)}}
+                                                      "stats_file": str(work / name),
+                                                      "layerwise": not args.whole_loads,
+                                                      "load_cpus": args.load_cpus}}
 
             def engine(name: str, connector: dict[str, Any] | None,
                        *extra: str) -> Driver:
@@ -158,12 +169,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "shared_storage_path": str(work / "example")}}
                 e = engine("E", example, "--no-prefix-cache")
                 engines.append(e)
-                rows = measure(args, shares, cases, b, nc, e, Stats(work / "b.jsonl"), text)
+                b_stats = Stats(work / "b.jsonl")
+                rows = measure(args, shares, cases, b, nc, e, b_stats, text)
             finally:
                 for d in engines:
                     d.close()
     return {"model": models.REAL_MODEL, "prompt_tokens": n, "block_size": BLOCK,
             "repeat": args.repeat, "max_tokens": args.max_tokens, "cpu": args.cpu,
+            "loads": "whole" if args.whole_loads else "layerwise", "load_cpus": args.load_cpus,
+            "load_average": os.getloadavg(), "loader_cpus_seen": b_stats.loader_cpus,
             "seed": args.seed, "rows": rows, "goals": goals(rows), "goal_text": GOALS}
 
 
@@ -175,7 +189,8 @@ def measure(args: argparse.Namespace, shares: list[int],
     engine timed after the previous repeat measured 5-15 % slower on the same work."""
     mt = args.max_tokens
     keys = ("radixkv", "no_cache", "vllm_prefix_cache", "example", "example_same_prompt",
-            "match", "load", "store", "prefill_radixkv", "prefill_vllm_prefix_cache")
+            "match", "load", "load_cpu", "load_copy", "store", "prefill_radixkv",
+            "prefill_vllm_prefix_cache")
     t: dict[int, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in shares}
     same: dict[int, list[bool]] = {s: [] for s in shares}
     hits: dict[int, dict[str, list[int]]] = {s: {"radixkv": [], "pc": [], "example": []}
@@ -212,7 +227,11 @@ def measure(args: argparse.Namespace, shares: list[int],
         row["prefill_radixkv"].append(rb["prefill"][0] or 0.0)
         row["prefill_vllm_prefix_cache"].append(rp["prefill"][0] or 0.0)
         row["match"].append(sum(x["s"] for x in lines if x["op"] == "match"))
-        row["load"].append(sum(x["s"] for x in lines if x["op"] == "load"))
+        loads = [x for x in lines if x["op"] == "load"]
+        row["load"].append(sum(x["s"] for x in loads))  # the engine's thread waiting
+        # the copy's own time (layer-wise: on the loader thread, beside the forward)
+        row["load_cpu"].append(sum(x.get("cpu_s", x["s"]) for x in loads))
+        row["load_copy"].append(sum(x.get("copy_s", x["s"]) for x in loads))
         row["store"].append(sum(x["s"] for x in lines if x["op"] in ("store_match", "save")))
         # the reference: ExampleConnector's run of P+sB, computed in full unless it hit
         same[share] += [rb["outputs"] == re_["outputs"], rp["outputs"] == re_["outputs"],
@@ -227,6 +246,8 @@ def row_of(args: argparse.Namespace, share: int, t: dict[str, list[float]], same
     med, ratio = median_ms(t), ratio_of(t)
     shares_of_ttft = [(m + ld) / r for m, ld, r in zip(t["match"], t["load"], t["radixkv"],
                                                       strict=True)]
+    cpu_shares = [(m + ld) / r for m, ld, r in zip(t["match"], t["load_cpu"], t["radixkv"],
+                                                   strict=True)]
     return {
         "shared_pct": share, "shared_tokens": args.prompt_tokens * share // 100,
         "radixkv_hit_tokens": min(hits["radixkv"]),
@@ -239,8 +260,12 @@ def row_of(args: argparse.Namespace, share: int, t: dict[str, list[float]], same
         "ratio_vs_no_cache": ratio("no_cache"),
         "ratio_vs_vllm_prefix_cache": ratio("vllm_prefix_cache"),
         "ratio_vs_example_connector": ratio("example"),
-        "match_ms": med("match"), "load_copy_ms": med("load"),
+        # the load as the engine's thread sees it (its waits for the copy), and the copy's own
+        # wall and CPU time (layer-wise loads copy on a thread beside the forward)
+        "match_ms": med("match"), "load_wait_ms": med("load"), "load_copy_ms": med("load_copy"),
+        "load_cpu_ms": med("load_cpu"),
         "connector_share": statistics.median(shares_of_ttft),
+        "connector_cpu_share": statistics.median(cpu_shares),
         "store_after_first_token_ms": med("store"),
         # vLLM's scheduled -> first token (the worker's load, the forward, sampling)
         "prefill_radixkv_ms": med("prefill_radixkv"),
@@ -291,6 +316,11 @@ def main() -> None:
                    help="greedy tokens per request (compared for outputs_identical)")
     p.add_argument("--cpu", default="0", help="the CPU(s) every vLLM engine is pinned to "
                    "(VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument("--load-cpus", default="auto", help="the connector's loader thread's CPUs "
+                   "(its load_cpus: 'auto', those the engines are not pinned to; 'engine'; "
+                   "or a list such as '1')")
+    p.add_argument("--whole-loads", action="store_true", help="copy loads whole before the "
+                   "forward (the connector's layerwise false) instead of layer by layer")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts' token ids")
     p.add_argument("--logs", default=None, help="keep the engines' logs in this folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")

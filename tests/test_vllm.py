@@ -8,6 +8,7 @@ prefixes that B reuses, radixkv is SIGKILLed and restarted under them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -162,7 +163,9 @@ for dt in (torch.bfloat16, torch.float32):
 
 def test_radixkv_absent_at_start_is_a_logged_fallback(world: World) -> None:
     """B starts with no radixkv on its socket: it serves (misses) and says why."""
-    world.b = Engine(world.model, world.config, "1", world.dir / "b.log")
+    config = json.loads(json.dumps(world.config))  # B's own stats file
+    config["kv_connector_extra_config"]["stats_file"] = str(world.dir / "b.jsonl")
+    world.b = Engine(world.model, config, "1", world.dir / "b.log")
     r = world.b.generate(SYSTEM + prompt(2, 50))
     assert r["cached"] == [0] and len(r["outputs"][0]) == 8
     assert "radixkv at" in world.b.stderr() and "unavailable" in world.b.stderr()
@@ -188,6 +191,15 @@ def test_cross_instance_reuse(world: World) -> None:
     # cached and stores nothing new, counts them again)
     assert world.hit_tokens() - hits0 >= 4 * BLOCK
     assert world.b.external_hits() - ext0 == 4 * BLOCK
+    # B's worker copied the 4 blocks layer by layer on its loader thread, on the CPUs B's
+    # engine is not pinned to (B: CPU 1; OpenMP moves it onto CPU 1 at its first cache write,
+    # the loader moves back), and vLLM's attention waited for each of the 30 layers
+    loads = [json.loads(x) for x in (world.dir / "b.jsonl").read_text().splitlines()]
+    loads = [x for x in loads if x["op"] == "load"]
+    assert [(x["ok"], x["blocks"], x["layerwise"], x["waited_layers"]) for x in loads] == [
+        (True, 4, True, 30)]
+    others = sorted(set(range(os.cpu_count() or 1)) - {1})
+    assert loads[0]["loader_cpus"] == (others or [1])
     # another user message after the same system prompt: the prefix is reused again
     second = SYSTEM + prompt(4, 70)
     rb2, ra2 = world.b.generate(second), world.a.generate(second)

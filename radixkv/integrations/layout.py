@@ -47,20 +47,25 @@ class FlashPages:
     def to_pool(self, layers: Sequence[torch.Tensor], pages: Sequence[int],
                 pool_view: torch.Tensor, blocks: Sequence[int]) -> None:
         """Copy engine pages `pages` into pool blocks `blocks` (same order)."""
-        if not pages:
-            return
-        p, b = _ids(pages, layers[0].device), _ids(blocks, pool_view.device)
-        for i, kv in enumerate(layers):
-            pool_view[b, i] = kv[:, p].transpose(0, 1).to(pool_view.device)
+        self._copy(layers, pages, pool_view, blocks, to_pool=True)
 
     def from_pool(self, layers: Sequence[torch.Tensor], pages: Sequence[int],
                   pool_view: torch.Tensor, blocks: Sequence[int]) -> None:
         """Copy pool blocks `blocks` into engine pages `pages` (same order)."""
+        self._copy(layers, pages, pool_view, blocks, to_pool=False)
+
+    def _copy(self, layers: Sequence[torch.Tensor], pages: Sequence[int],
+              pool_view: torch.Tensor, blocks: Sequence[int], to_pool: bool) -> None:
+        """Between engine pages and pool blocks, either way: layer i of a page is
+        kv[i][:, page] ([2, block, heads, dim]), of a block pool_view[block, i]."""
         if not pages:
             return
         p, b = _ids(pages, layers[0].device), _ids(blocks, pool_view.device)
         for i, kv in enumerate(layers):
-            kv[:, p] = pool_view[b, i].transpose(0, 1).to(kv.device)
+            engine: tuple[torch.Tensor, Any] = (kv, (slice(None), p))  # [2, n, block, ...]
+            pool: tuple[torch.Tensor, Any] = (pool_view, (b, i))  # [n, 2, block, ...]
+            (dst, at), (src, of) = (pool, engine) if to_pool else (engine, pool)
+            dst[at] = src[of].transpose(0, 1).to(dst.device)
 
 
 @dataclass(frozen=True)

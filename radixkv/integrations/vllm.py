@@ -15,9 +15,12 @@ Extra config: `socket` (default $RADIXKV_SOCKET, else the per-user socket), `nam
 (default: model path@revision/dtype; a request's cache_salt and LoRA name are appended),
 `lease_ttl` (seconds, 0: the server's), `timeout` (per call, default 5 s), `retry_s` (how soon
 an unreachable radixkv is tried again, default 1 s), `stats_file` (JSON lines of the
-connector's own costs). radixkv absent at start, killed or restarted: a logged warning and
-cache misses, never a failed request; "kv_load_failure_policy": "recompute" makes vLLM
-recompute blocks whose load failed (the default, "fail", ends such a request with an error).
+connector's own costs), `layerwise` (default true: CPU loads are copied layer by layer beside
+the forward, `vllm_loader`), `load_cpus` (the loader thread's CPUs: "auto", the ones the
+engine's thread is not bound to; "engine"; or a list such as "1,3-4"). radixkv absent at start,
+killed or restarted: a logged warning and cache misses, never a failed request;
+"kv_load_failure_policy": "recompute" makes vLLM recompute blocks whose load failed (the
+default, "fail", ends such a request with an error).
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("vllm.radixkv")  # under vLLM's logger: its format and level
+
+
+def _flag(value: Any) -> bool:
+    """A config flag given as a JSON bool or a string ("false", "0", "no": False)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("false", "0", "no", "off", "")
+    return bool(value)
 
 
 class RadixKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -83,7 +93,9 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 layout.block_size, float(extra.get("lease_ttl", 0.0)), stats)
         else:
             self._worker = WorkerSide(self._link, vllm_config, layout.num_kv_heads,
-                                      layout.head_dim, layout.block_size, stats)
+                                      layout.head_dim, layout.block_size, stats,
+                                      layerwise=_flag(extra.get("layerwise", True)),
+                                      load_cpus=str(extra.get("load_cpus", "auto")))
 
     # ---- worker side -------------------------------------------------------------------------
 
@@ -98,18 +110,22 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._meta()
         if meta is not None and meta.loads and self._worker is not None:
-            self._worker.load(meta.loads)
+            self._worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-request, done before the forward
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return  # saves are whole-request, after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
+        if self._worker is None:
+            return
+        self._worker.finish_loads()
         meta = self._meta()
-        if meta is not None and meta.saves and self._worker is not None:
+        if meta is not None and meta.saves:
             self._worker.save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
@@ -121,6 +137,8 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._worker.take_failed() if self._worker is not None else set()
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
         self._link.close()
 
     # ---- scheduler side ----------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """The worker side of the vLLM connector: copies between vLLM's paged KV and radixkv's pool.
 
-Loads run before the step's forward (`start_load_kv`): copy the leased blocks into the pages
-vLLM allocated, then Release the lease. A lease that ended before (expired, or radixkv gone)
-means the blocks may have been reused: the pages are reported as failed loads and vLLM
-recomputes them (kv_load_failure_policy "recompute"). Saves run after the forward
+Loads start before the step's forward (`start_loads`, from `start_load_kv`): on CPU pages they
+are copied layer by layer on a thread of their own (`vllm_loader`), each layer's attention
+waiting for its own layer only (`wait_layer`); on GPU pages (or with `layerwise` off) they are
+copied whole before the forward (`load`). Either way each lease is Released after its copy: a
+lease that ended before (expired, or radixkv gone) means the blocks may have been reused, so the
+pages are reported as failed loads in the same step (`finish_loads`, before `take_failed`) and
+vLLM recomputes them (kv_load_failure_policy "recompute"). Saves run after the forward
 (`wait_for_save`): renew the lease for COPY_TTL_S (its blocks stay ours for the whole copy),
 copy, Insert with the lease's pool epoch and release; a lease that expired before (e.g. during
 the step's forward, under a short `--lease-ttl`) or a restarted radixkv stores nothing.
@@ -25,6 +28,7 @@ from radixkv.client import Client
 from radixkv.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
 from radixkv.integrations.layout import FlashPages, LayoutError, Pages, ProbedPages, check_layers
 from radixkv.integrations.link import Down, Link
+from radixkv.integrations.vllm_loader import LayerLoader
 from radixkv.integrations.vllm_scheduler import Load, Save, Stats
 
 _LAYER = re.compile(r"\.(\d+)\.")
@@ -43,7 +47,8 @@ def layer_order(names: Sequence[str]) -> list[str]:
 
 class WorkerSide:
     def __init__(self, link: Link, vllm_config: Any, num_kv_heads: int, head_dim: int,
-                 block_size: int, stats: Stats) -> None:
+                 block_size: int, stats: Stats, layerwise: bool = True,
+                 load_cpus: str = "auto") -> None:
         self.link = link
         self.vllm_config = vllm_config
         self.num_kv_heads = num_kv_heads
@@ -55,10 +60,15 @@ class WorkerSide:
         self._pages: Pages | None = None
         self.failed_pages: set[int] = set()
         self.sent: set[str] = set()
+        self.layerwise = layerwise
+        self.load_cpus = load_cpus
+        self.loader: LayerLoader | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.names = layer_order(list(kv_caches))
         self.layers = [kv_caches[n] for n in self.names]
+        if self.layerwise and self.layers and not self.layers[0].is_cuda:
+            self.loader = LayerLoader(self.link, self.names, self.load_cpus)
 
     def pages(self) -> Pages:
         """The page layout, found once (CPU pages are probed through the first layer's own
@@ -92,8 +102,62 @@ class WorkerSide:
         if self.layers and self.layers[0].is_cuda:
             torch.cuda.current_stream(self.layers[0].device).synchronize()
 
+    def start_loads(self, loads: Sequence[Load]) -> None:
+        """Start the step's loads: layer by layer beside the forward where there is a loader,
+        else whole, now."""
+        if self.loader is None:
+            self.load(loads)
+            return
+        self.finish_loads()  # a previous step's, should it not have been finished
+        ready: list[tuple[Load, torch.Tensor]] = []
+        for ld in loads:
+            def view_of(client: Client, ld: Load = ld) -> torch.Tensor:
+                return self._mapping(client, ld.epoch).view()  # type: ignore[no-any-return]
+
+            try:
+                view = self.link.call(view_of)
+                self.pages()
+            except (Down, LayoutError) as e:
+                if isinstance(e, LayoutError):
+                    self.link.log.error("radixkv: cannot map vLLM's KV pages: %s", e)
+                self._failed(ld, 0.0, {})
+                continue
+            ready.append((ld, view))
+        if ready:
+            self.loader.start(ready, self.layers, self.pages())
+
+    def wait_layer(self, name: str) -> None:
+        if self.loader is not None:
+            self.loader.wait_layer(name)
+
+    def finish_loads(self) -> None:
+        """Wait for the step's layer-wise loads; their failed pages go to `failed_pages`."""
+        loader = self.loader
+        done = loader.finish_if_pending() if loader is not None else None
+        if loader is None or done is None:
+            return
+        n = len(done.loads)
+        for ld in done.loads:  # the step's costs, shared out (the loads were copied together)
+            cost: dict[str, Any] = {
+                "cpu_s": done.cpu_s / n, "copy_s": done.copy_s / n, "layerwise": True,
+                "waited_layers": done.waited_layers,
+                "loader_cpus": done.ran_on}  # where it ran: the engine's CPUs, or others
+            if ld in done.failed:
+                self._failed(ld, done.wait_s / n, cost)
+            else:
+                self.stats.record(side="worker", op="load", req=ld.req_id, ok=True,
+                                  blocks=len(ld.blocks), s=done.wait_s / n, **cost)
+
+    def _failed(self, ld: Load, s: float, cost: dict[str, Any]) -> None:
+        self.link.log.warning("radixkv: loading %d blocks of request %s failed; vLLM "
+                              "recomputes them", len(ld.pages), ld.req_id)
+        self.failed_pages.update(ld.pages)
+        self.stats.record(side="worker", op="load", req=ld.req_id, ok=False,
+                          blocks=len(ld.blocks), s=s, **cost)
+
     def load(self, loads: Sequence[Load]) -> None:
-        """Copy each load's blocks into its pages; failed ones go to `failed_pages`."""
+        """Copy each load's blocks into its pages, whole, now; failed ones go to
+        `failed_pages`."""
         for ld in loads:
             t0 = time.perf_counter()
 
@@ -123,6 +187,7 @@ class WorkerSide:
     def save(self, saves: Sequence[Save]) -> None:
         """Copy each save's pages into its new blocks and Insert; every request is reported
         done (`sent`) whether or not it was stored."""
+        self.finish_loads()  # the step's loads are done with the client and the pages
         for sv in saves:
             t0 = time.perf_counter()
 
@@ -163,5 +228,10 @@ class WorkerSide:
         return sent
 
     def take_failed(self) -> set[int]:
+        self.finish_loads()
         failed, self.failed_pages = self.failed_pages, set()
         return failed
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
