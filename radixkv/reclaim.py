@@ -136,7 +136,8 @@ class Reclaimer:
                     key = ns.tree.next_victim_key()
                     if key is None or key > keyed[1][0]:
                         break
-            self.tier.demote(ns.name, freed)
+            if ns.tiered:
+                self.tier.demote(ns.name, freed)
             self.pool.free(freed)
             events, count = ns.evicted(freed)
             self.events.publish(ns.name, events)

@@ -172,6 +172,8 @@ class KVService:
     def _plan_promotions(self, queries: Sequence[tuple[str, bytes]]) -> list[Any]:
         """What the tier below the pool has for each query, read off the lock (radixkv/tiers.py:
         plan, read; `apply` puts it in the tree under the lock, before the Match)."""
+        if not self._tier.present:
+            return [None] * len(queries)
         with self._lock:
             plans = [self._tier.plan(name, self._namespaces.get(name), tokens)
                      for name, tokens in queries]
@@ -456,7 +458,7 @@ class KVService:
         ns = self._namespaces[lease.namespace]
         self._leases.touch(lease)
         result = ns.insert(lease, tokens, block_ids, hint, window_ids, pin)
-        if not ns.key_size:  # the tier below holds token-keyed namespaces (docs/disk-tier.md)
+        if ns.tiered:
             self._tier.inserted(ns.name, tokens, block_ids, result)
         if result.duplicates:
             self.pool.free(list(result.duplicates))

@@ -30,6 +30,8 @@ Publish = Callable[[str], None]  # publish a namespace's queued tree events
 
 
 class NoTier:
+    present = False  # False: no tier, so a Match plans nothing (and takes no extra lock round)
+
     def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Any:
         """What a Match of `tokens` in namespace `name` (`ns`: its tree, None if it has none
         now) would bring up (None: nothing)."""

@@ -82,6 +82,8 @@ class BlockKey:
 
 
 class DiskTier(NoTier):
+    present = True
+
     def __init__(self, pool: BlockPool, directory: str, capacity_blocks: int,
                  promote_blocks: int = 1 << 20) -> None:
         self.pool = pool
