@@ -17,7 +17,8 @@ llama-3.2-1b's are 512 KiB; the tier file in --dir, default a temporary director
               compared after) into a pool already touched, as a running service's is;
               against two reads of the same payload bytes from a file in the same directory,
               the faster one counting: the same operation as the tier's (READERS threads,
-              requests of RUN_SLOTS blocks in file order, os.preadv into touched buffers) and
+              requests of as many blocks as the tier reads in one os.preadv for a prompt
+              (radixkv/disk/tier.py run_slots), in file order, into touched buffers) and
               dd's (one thread, 4 MiB reads); every file's page cache dropped first
               (posix_fadvise DONTNEED)
 
@@ -109,7 +110,7 @@ def _read_like_the_tier(path: str, request: int, threads: int) -> tuple[int, flo
 def io_figures(directory: str, preset: str, pool_blocks: int, prompts: int) -> dict[str, Any]:
     from gpu_pool import create_pool
     from gpu_pool.layout import KVLayout
-    from radixkv.disk.tier import READERS, RUN_SLOTS, DiskTier
+    from radixkv.disk.tier import RUN_SLOTS, DiskTier
     from radixkv.service import KVService, ServiceConfig
 
     layout = KVLayout.from_preset(preset, "fp32", 16)
@@ -169,7 +170,7 @@ def io_figures(directory: str, preset: str, pool_blocks: int, prompts: int) -> d
     pool.close()
 
     os.truncate(baseline, promoted * bpb)
-    tier_like = _read_like_the_tier(baseline, RUN_SLOTS * bpb, READERS)
+    tier_like = _read_like_the_tier(baseline, RUN_SLOTS * bpb, 1)
     dd = _read_dd(baseline)
     os.unlink(baseline)
     gbps = lambda n, s: n / s / 1e9  # noqa: E731
@@ -182,7 +183,8 @@ def io_figures(directory: str, preset: str, pool_blocks: int, prompts: int) -> d
         "promoted_blocks": promoted, "promote_GBps": gbps(promoted * bpb, promote_s),
         "fs_read_GBps": fs_read, "fs_read_tier_like_GBps": gbps(*tier_like),
         "fs_read_dd_GBps": gbps(*dd),
-        "fs_read_threads": READERS, "fs_read_request_bytes": RUN_SLOTS * bpb,
+        "fs_read_threads": 1,
+        "fs_read_request_bytes": RUN_SLOTS * bpb,
         "promote_vs_fs_read": gbps(promoted * bpb, promote_s) / fs_read,
         "cached_before_restart": prompts * BLOCKS_PER_PROMPT, "loaded_after_restart": loaded,
         "warm_restart_hit_fraction": hit_blocks / (prompts * BLOCKS_PER_PROMPT),

@@ -195,19 +195,24 @@ class SlotFile:
                 raise OSError(f"short write to {self.path}: {done} of {want} bytes")
             i = j + 1
 
-    def read_run(self, first: int, metas: Sequence[SlotMeta], outs: Sequence[memoryview]) -> int:
-        """Read the payloads of slots first, first+1, ... (one os.preadv: the headers and pads
-        go to buffers of their own, each payload straight into its `outs` buffer, len
-        payload_len) and check each slot's CRC against the header it has now. Returns how
-        many verify and still hold their `metas` block, counted from the first."""
+    def read_run(self, first: int, outs: Sequence[memoryview]) -> tuple[list[bytearray], int]:
+        """Read slots first, first+1, ... in one os.preadv: each header into a buffer of its
+        own (returned), each payload straight into its `outs` buffer (len payload_len), the
+        pads discarded. Returns the headers and the bytes read; `check_run` checks them."""
         g = self.geometry
-        heads = [bytearray(g.meta_bytes) for _ in metas]
+        heads = [bytearray(g.meta_bytes) for _ in outs]
         buffers: list[bytearray | memoryview] = []
         for head, out in zip(heads, outs, strict=True):
             buffers += [head, out]
             if pad := g.slot_bytes - g.meta_bytes - len(out):
                 buffers.append(self._discard[:pad])
-        got = os.preadv(self.fd, buffers, self.offset(first))
+        return heads, os.preadv(self.fd, buffers, self.offset(first))
+
+    def check_run(self, heads: Sequence[bytearray], got: int, metas: Sequence[SlotMeta],
+                  outs: Sequence[memoryview]) -> int:
+        """After `read_run`: how many of the run's slots, from the first, were read whole,
+        verify their CRC and still hold their `metas` block."""
+        g = self.geometry
         for k, (head, meta, out) in enumerate(zip(heads, metas, outs, strict=True)):
             if got < k * g.slot_bytes + g.meta_bytes + len(out) or not self._verify(head, meta,
                                                                                      out):

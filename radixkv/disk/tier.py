@@ -34,7 +34,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gpu_pool.base import BlockPool
@@ -51,8 +51,8 @@ log = logging.getLogger("radixkv.disk")
 
 WRITE_BATCH = 64  # slots per writer pass
 MAX_PENDING = 1024  # queued demotions before a demotion waits for the writer
-READERS = 4  # threads reading promotions' blocks
-RUN_SLOTS = 8  # adjacent slots read by one os.preadv at most (8 MiB of 1 MiB blocks)
+CHECKERS = 2  # threads checking the CRCs of blocks read (crc32 releases the GIL)
+RUN_SLOTS = 4  # adjacent slots read by one os.preadv at most (4 MiB of 1 MiB blocks)
 
 
 @dataclass(slots=True, eq=False)
@@ -95,7 +95,7 @@ class DiskTier(NoTier):
         self._seq = 0
         self._reserved: set[int] = set()  # pool blocks a promotion reads into (plan to apply)
         self._busy: set[int] = set()  # slots being read: their writes wait (under _cond)
-        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="disk-reader")
+        self._checkers = ThreadPoolExecutor(CHECKERS, thread_name_prefix="disk-check")
         self._counts = dict(hit_tokens=0, promoted_blocks=0, demoted_blocks=0,
                             evicted_blocks=0, verify_failures=0, loaded_blocks=0,
                             dropped_at_load=0)
@@ -265,18 +265,23 @@ class DiskTier(NoTier):
 
     def read(self, plans: Sequence[Promotion]) -> None:
         """Off the service lock: each plan's payloads read straight into its reserved pool
-        blocks and checked; `good` counts those that verify, up to the first that fails. Runs
-        of adjacent slots (up to RUN_SLOTS) are one os.preadv each, in slot order, and
-        READERS threads read runs at once (preadv and crc32 release the GIL), so one run's
-        checks overlap the next one's read."""
+        blocks and checked; `good` counts those that verify, up to the first that fails.
+        This thread reads runs of adjacent slots (up to RUN_SLOTS, one os.preadv each) in slot
+        order, one after another: one sequential stream, which the kernel's readahead
+        follows (reader threads taking runs in turn defeat it: it measured slower), while
+        CHECKERS threads check the CRCs of the runs already read."""
+        checks: list[tuple[Promotion, list[int], Future[int] | None]] = []
         try:
-            runs = [(p, run) for p in plans for run in self._runs(p)]
-            verified = list(self._readers.map(lambda pr: self._read_run(pr[0], pr[1]), runs))
+            for p in plans:
+                for run in self._runs(p):
+                    checks.append((p, run, self._read_run(p, run)))
+            verified = [len(run) if f is None else f.result() for _, run, f in checks]
         finally:
             for p in plans:
                 self._unbusy(p.taken)
         for p in plans:
-            bad = [i for (q, _), i in zip(runs, verified, strict=True) if q is p and i >= 0]
+            bad = [run[i] for (q, run, _), i in zip(checks, verified, strict=True)
+                   if q is p and i < len(run)]
             p.good = min(bad, default=len(p.views))
             p.failed = p.good < len(p.views)
 
@@ -289,24 +294,25 @@ class DiskTier(NoTier):
         for i in order:
             entry = plan.taken[i]
             alone = entry.staging is not None  # (the writer only ever clears it)
-            if (alone or last_alone or entry.slot != last + 1 or len(runs[-1]) >= RUN_SLOTS):
+            if alone or last_alone or entry.slot != last + 1 or len(runs[-1]) >= RUN_SLOTS:
                 runs.append([i])
             else:
                 runs[-1].append(i)
             last, last_alone = entry.slot, alone
         return runs
 
-    def _read_run(self, plan: Promotion, run: list[int]) -> int:
-        """Read one run into its pool blocks: -1 if all verify, else the plan index of the
-        first that does not."""
+    def _read_run(self, plan: Promotion, run: list[int]) -> Future[int] | None:
+        """Read one run into its pool blocks; the check of how many verify (from the first)
+        is queued for a checker. None: the run verified already (a queued write's copy)."""
         first = plan.taken[run[0]]
         staging = first.staging
         if staging is not None:  # its write is still queued (a run of one): the copy in memory
             plan.views[run[0]][:] = staging
-            return -1
-        ok = self.file.read_run(first.slot, [plan.taken[i].meta for i in run],
-                                [plan.views[i] for i in run])
-        return -1 if ok == len(run) else run[ok]
+            return None
+        outs = [plan.views[i] for i in run]
+        heads, got = self.file.read_run(first.slot, outs)
+        return self._checkers.submit(self.file.check_run, heads, got,
+                                     [plan.taken[i].meta for i in run], outs)
 
     def apply(self, ns: Namespace, plan: Promotion, publish: Publish) -> int:
         """Under the service lock again: the verified blocks, already in their reserved pool
@@ -460,6 +466,6 @@ class DiskTier(NoTier):
             self._stop = True
             self._cond.notify_all()
         self._writer.join()
-        self._readers.shutdown()
+        self._checkers.shutdown()
         self.file.sync()
         self.file.close()
