@@ -262,3 +262,35 @@ class PoolAndDisk(RuleBasedStateMachine):
 
 TestPoolAndDisk = PoolAndDisk.TestCase
 TestPoolAndDisk.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
+
+
+def test_a_promotion_with_no_room_leaves_the_blocks_on_disk(tmp_path):
+    """Every pool block leased: a Match whose prefix is on disk reserves nothing and misses it
+    (the blocks stay on disk, no block is left reserved); once the lease ends the next Match
+    brings it up, byte for byte."""
+    pool = create_pool(KVLayout(1, 1, 4, "fp32", BS), num_blocks=POOL)
+    tier = DiskTier(pool, str(tmp_path), 8)
+    svc = KVService(pool, ServiceConfig(lease_ttl_s=60, policy="lru"), tier=tier)
+    try:
+        prompt = (1, 2, 0)
+        r = svc.allocate("e", None, NS, len(prompt))
+        for j, b in enumerate(r.block_ids):
+            pool.block_bytes(b)[:] = kv_of(prompt[:j + 1])
+        svc.insert("e", r.lease_id, NS, tokens_of(prompt), r.block_ids)
+        svc.release("e", [r.lease_id])
+        hog = svc.allocate("e", None, "other", POOL)  # evicts (demotes) the prompt, holds all
+        assert svc.stats().disk.blocks == len(prompt)
+        m = svc.match("e", NS, tokens_of(prompt))
+        assert len(m.block_ids) == 0 and tier.reserved_blocks == 0
+        assert svc.stats().disk.blocks == len(prompt) and svc.stats().disk.promoted_blocks == 0
+        svc.check_integrity()
+        svc.release("e", [m.lease_id, hog.lease_id])
+        m = svc.match("e", NS, tokens_of(prompt))
+        assert len(m.block_ids) == len(prompt)
+        for j, b in enumerate(m.block_ids):
+            assert np.array_equal(pool.block_bytes(b), kv_of(prompt[:j + 1]))
+        svc.release("e", [m.lease_id])
+        svc.check_integrity()
+    finally:
+        svc.close_tier(write_down=False)
+        pool.close()

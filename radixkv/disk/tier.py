@@ -17,8 +17,9 @@ blocks on disk brings up to `promote_blocks` of them into pool blocks (evicting,
 as an Allocate would), checks each slot's CRC, inserts them in the tree and only then matches;
 the lease pins them like any hit, so an engine never reads a block whose promotion has not
 completed. A slot that fails its check is dropped and counted (`verify_failures`): the Match
-stops there, a miss, never wrong KV. Reads are os.preadv straight into the pool block, under
-the service lock (one Match's blocks, in order).
+stops there, a miss, never wrong KV. The pool blocks are reserved under the service lock
+(`plan`), read into straight from the file off it (`read`: os.preadv, no copy), and put in the
+tree under it again (`apply`); while reserved they are in no tree and no lease.
 
 Warm restart: `close(write_down=True)` (SIGTERM) writes every cached pool block to a slot and
 fsyncs; the next start on the same directory scans the slot headers (`meta_crc`, the chain
@@ -34,7 +35,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from gpu_pool.base import BlockPool
@@ -276,6 +277,9 @@ class DiskTier(NoTier):
                 for run in self._runs(p):
                     checks.append((p, run, self._read_run(p, run)))
             verified = [len(run) if f is None else f.result() for _, run, f in checks]
+        except BaseException:  # no checker left reading blocks the caller is about to free
+            wait([f for _, _, f in checks if f is not None])
+            raise
         finally:
             for p in plans:
                 self._unbusy(p.taken)
