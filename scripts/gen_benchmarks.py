@@ -336,8 +336,9 @@ def disk_tier(r: dict[str, Any]) -> list[str]:
          f"{r['fs_read_GBps']:.3f} GB/s", f"{r['promote_vs_fs_read']:.2f}"]])
     if "fs_read_dd_GBps" in r:
         out += ["", "The read floor is the faster of two reads of the same bytes: as the tier "
-                f"reads ({r['fs_read_threads']} threads, {size(r['fs_read_request_bytes'])} "
-                f"requests in file order: {r['fs_read_tier_like_GBps']:.3f} GB/s) and as dd "
+                f"reads ({r['fs_read_threads']} thread{'s' * (r['fs_read_threads'] > 1)}, "
+                f"{size(r['fs_read_request_bytes'])} requests in file order with os.preadv: "
+                f"{r['fs_read_tier_like_GBps']:.3f} GB/s) and as dd "
                 f"does (one thread, 4 MiB reads: {r['fs_read_dd_GBps']:.3f} GB/s)."]
     out += ["", f"Warm restart: {r['loaded_after_restart']} of {r['cached_before_restart']} "
             f"blocks loaded, hit fraction {r['warm_restart_hit_fraction']:.3f}, "
