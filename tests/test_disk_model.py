@@ -108,12 +108,14 @@ class PoolAndDisk(RuleBasedStateMachine):
             self.lossless = False
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=3).map(tuple),
-          torn=st.booleans())
-    def match_while_reading(self, prompt: Prompt, torn: bool) -> None:
+          torn=st.booleans(), which=st.integers(0, 2))
+    def match_while_reading(self, prompt: Prompt, torn: bool, which: int) -> None:
         """A Match stopped while its blocks come up from disk: they are reserved (neither
         free, leased nor cached, in no tree) and the integrity check counts them; with `torn`,
-        the first block's slot is corrupted before the read: it is a counted miss, its
-        reserved blocks go back to free, and no wrong KV is served."""
+        a block's slot is corrupted before the read: it is a counted miss, its
+        reserved blocks go back to free, the blocks before it are served, and no wrong KV is
+        (the plan's last block is corrupted too: a prompt's slots are often in reverse order,
+        and a run read in slot order must check each block, not stop at its first failure)."""
         self.tier.flush()  # every demotion written: the read goes to the file
         self.tier.gate, self.tier.reading = threading.Event(), threading.Event()
         out: dict[str, Any] = {}
@@ -139,15 +141,17 @@ class PoolAndDisk(RuleBasedStateMachine):
             assert {b for n in nodes for b in n.block_ids}.isdisjoint(plan.ids)
             assert not any((e.meta.namespace, e.meta.hash) in self.tier.index
                            for e in plan.taken)  # neither on disk nor in memory: coming up
-            if torn:
-                entry = plan.taken[0]
+            if torn:  # that block and the plan's last (two failures in one read)
+                which = min(which, len(plan.views) - 1)
                 fd = os.open(os.path.join(self.dir, FILE_NAME), os.O_RDWR)
                 try:
-                    at = self.tier.file.offset(entry.slot) + self.tier.file.geometry.meta_bytes
-                    os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 4, at)), at)
+                    for i in {which, len(plan.views) - 1}:
+                        at = (self.tier.file.offset(plan.taken[i].slot)
+                              + self.tier.file.geometry.meta_bytes)
+                        os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 4, at)), at)
                 finally:
                     os.close(fd)
-                bad = prompt[:cached + 1]
+                bad = prompt[:cached + which + 1]
         self.tier.gate.set()
         thread.join()
         self.tier.gate = None
@@ -157,7 +161,7 @@ class PoolAndDisk(RuleBasedStateMachine):
         for j, b in enumerate(m.block_ids):
             assert np.array_equal(self.pool.block_bytes(b), kv_of(prompt[:j + 1]))
         if bad is not None:
-            assert len(m.block_ids) == cached
+            assert len(m.block_ids) == len(bad) - 1
             assert self.svc.stats().disk.verify_failures == failures + 1
         elif self.lossless:
             stored = [prompt[:j] for j in range(1, len(prompt) + 1) if prompt[:j] in self.known]
@@ -289,6 +293,44 @@ def test_a_promotion_with_no_room_leaves_the_blocks_on_disk(tmp_path):
         assert len(m.block_ids) == len(prompt)
         for j, b in enumerate(m.block_ids):
             assert np.array_equal(pool.block_bytes(b), kv_of(prompt[:j + 1]))
+        svc.release("e", [m.lease_id])
+        svc.check_integrity()
+    finally:
+        svc.close_tier(write_down=False)
+        pool.close()
+
+
+def test_two_corrupt_slots_in_one_run_are_both_misses(tmp_path):
+    """A prompt's blocks demoted leaf first sit in adjacent slots in reverse order, so one
+    os.preadv reads them last block first: with its first and last blocks corrupted, the
+    Match hits nothing from disk (each block is checked, not only up to the first failure
+    in slot order), and no wrong KV is served."""
+    pool = create_pool(KVLayout(1, 1, 4, "fp32", BS), num_blocks=POOL)
+    tier = DiskTier(pool, str(tmp_path), 16)
+    svc = KVService(pool, ServiceConfig(lease_ttl_s=60, policy="lru"), tier=tier)
+    try:
+        prompt = (1, 2, 0)
+        r = svc.allocate("e", None, NS, len(prompt))
+        for j, b in enumerate(r.block_ids):
+            pool.block_bytes(b)[:] = kv_of(prompt[:j + 1])
+        svc.insert("e", r.lease_id, NS, tokens_of(prompt), r.block_ids)
+        svc.release("e", [r.lease_id])
+        hog = svc.allocate("e", None, "other", POOL)  # evicts (demotes) the prompt
+        svc.release("e", [hog.lease_id])
+        tier.flush()
+        slots = [e.slot for e in sorted(tier.index.entries(), key=lambda e: e.meta.position)]
+        assert slots == sorted(slots, reverse=True) and slots[0] - slots[-1] == 2  # one run
+        fd = os.open(os.path.join(str(tmp_path), FILE_NAME), os.O_RDWR)
+        try:
+            for slot in (slots[0], slots[-1]):
+                at = tier.file.offset(slot) + tier.file.geometry.meta_bytes
+                os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 4, at)), at)
+        finally:
+            os.close(fd)
+        m = svc.match("e", NS, tokens_of(prompt))
+        for j, b in enumerate(m.block_ids):
+            assert np.array_equal(pool.block_bytes(b), kv_of(prompt[:j + 1]))
+        assert len(m.block_ids) == 0 and svc.stats().disk.verify_failures == 1
         svc.release("e", [m.lease_id])
         svc.check_integrity()
     finally:

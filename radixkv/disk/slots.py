@@ -209,15 +209,12 @@ class SlotFile:
         return heads, os.preadv(self.fd, buffers, self.offset(first))
 
     def check_run(self, heads: Sequence[bytearray], got: int, metas: Sequence[SlotMeta],
-                  outs: Sequence[memoryview]) -> int:
-        """After `read_run`: how many of the run's slots, from the first, were read whole,
-        verify their CRC and still hold their `metas` block."""
+                  outs: Sequence[memoryview]) -> list[bool]:
+        """After `read_run`: for each of the run's slots, whether it was read whole, verifies
+        its CRC and still holds its `metas` block."""
         g = self.geometry
-        for k, (head, meta, out) in enumerate(zip(heads, metas, outs, strict=True)):
-            if got < k * g.slot_bytes + g.meta_bytes + len(out) or not self._verify(head, meta,
-                                                                                     out):
-                return k
-        return len(metas)
+        return [got >= k * g.slot_bytes + g.meta_bytes + len(out) and self._verify(head, meta, out)
+                for k, (head, meta, out) in enumerate(zip(heads, metas, outs, strict=True))]
 
     def _verify(self, head: bytearray, meta: SlotMeta, payload: memoryview) -> bool:
         parsed = self._parse(bytes(head))

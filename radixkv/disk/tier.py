@@ -69,6 +69,7 @@ class Promotion:
     views: list[memoryview] = field(default_factory=list)  # where each payload goes
     good: int = 0  # blocks read and verified, from the first
     failed: bool = False  # the entry after the good ones failed its check
+    busy: bool = False  # its slots are marked busy (DiskTier._busy) until its read is done
 
 @dataclass(frozen=True, slots=True)
 class BlockKey:
@@ -95,7 +96,9 @@ class DiskTier(NoTier):
         self._mem: dict[int, BlockKey] = {}  # pool block id -> its key (cached blocks)
         self._seq = 0
         self._reserved: set[int] = set()  # pool blocks a promotion reads into (plan to apply)
-        self._busy: set[int] = set()  # slots being read: their writes wait (under _cond)
+        # slot -> promotions reading it now (a slot freed and taken again can be read by two):
+        # writes to these wait (under _cond)
+        self._busy: dict[int, int] = {}
         self._checkers = ThreadPoolExecutor(CHECKERS, thread_name_prefix="disk-check")
         self._counts = dict(hit_tokens=0, promoted_blocks=0, demoted_blocks=0,
                             evicted_blocks=0, verify_failures=0, loaded_blocks=0,
@@ -240,8 +243,7 @@ class DiskTier(NoTier):
             parent = h
         if not found:
             return None
-        with self._cond:  # no write touches their slots until they are read
-            self._busy.update(e.slot for e in found)
+        self._mark_busy(found)  # no write touches their slots until they are read
         for entry in found:  # their slots free: the blocks evicted to make room may take them
             self.index.drop((name, entry.meta.hash))
         if ns is not None:  # nothing may evict the prefix they extend meanwhile
@@ -251,11 +253,11 @@ class DiskTier(NoTier):
             ids = self.pool.alloc(len(found), sinks=int(k == 0))
         except OutOfBlocks:  # all pinned: the blocks stay on disk, this Match misses them
             self._restore(found)
-            self._unbusy(found)
+            self._unmark_busy(found)
             if ns is not None:
                 ns.tree.unlock(handle)
             return None
-        plan = Promotion(ns, tokens, k, handle, found, ids)
+        plan = Promotion(ns, tokens, k, handle, found, ids, busy=True)
         for entry, b in zip(found, ids, strict=True):
             block = self.pool.block_bytes(b)
             if entry.meta.payload_len > len(block):  # not this block's format: read no further
@@ -271,21 +273,21 @@ class DiskTier(NoTier):
         order, one after another: one sequential stream, which the kernel's readahead
         follows (reader threads taking runs in turn defeat it: it measured slower), while
         CHECKERS threads check the CRCs of the runs already read."""
-        checks: list[tuple[Promotion, list[int], Future[int] | None]] = []
+        checks: list[tuple[Promotion, list[int], Future[list[bool]] | None]] = []
         try:
             for p in plans:
                 for run in self._runs(p):
                     checks.append((p, run, self._read_run(p, run)))
-            verified = [len(run) if f is None else f.result() for _, run, f in checks]
+            verified = [[True] * len(run) if f is None else f.result() for _, run, f in checks]
         except BaseException:  # no checker left reading blocks the caller is about to free
             wait([f for _, _, f in checks if f is not None])
             raise
         finally:
             for p in plans:
-                self._unbusy(p.taken)
-        for p in plans:
-            bad = [run[i] for (q, run, _), i in zip(checks, verified, strict=True)
-                   if q is p and i < len(run)]
+                self._unbusy(p)
+        for p in plans:  # (a run is in slot order, often the reverse of the prompt's)
+            bad = [i for (q, run, _), oks in zip(checks, verified, strict=True) if q is p
+                   for i, ok in zip(run, oks, strict=True) if not ok]
             p.good = min(bad, default=len(p.views))
             p.failed = p.good < len(p.views)
 
@@ -305,9 +307,9 @@ class DiskTier(NoTier):
             last, last_alone = entry.slot, alone
         return runs
 
-    def _read_run(self, plan: Promotion, run: list[int]) -> Future[int] | None:
-        """Read one run into its pool blocks; the check of how many verify (from the first)
-        is queued for a checker. None: the run verified already (a queued write's copy)."""
+    def _read_run(self, plan: Promotion, run: list[int]) -> Future[list[bool]] | None:
+        """Read one run into its pool blocks; the check of each block is queued for a
+        checker. None: the run verified already (a queued write's copy)."""
         first = plan.taken[run[0]]
         staging = first.staging
         if staging is not None:  # its write is still queued (a run of one): the copy in memory
@@ -347,7 +349,7 @@ class DiskTier(NoTier):
     def abandon(self, plan: Promotion) -> None:
         """A plan not applied (its Match failed): its entries back on disk, its reserved
         blocks free, its pin gone."""
-        self._unbusy(plan.taken)
+        self._unbusy(plan)
         self._restore(plan.taken)
         self._reserved.difference_update(plan.ids)
         plan.views.clear()
@@ -359,10 +361,26 @@ class DiskTier(NoTier):
     def reserved_blocks(self) -> int:
         return len(self._reserved)
 
-    def _unbusy(self, entries: Sequence[Entry]) -> None:
+    def _mark_busy(self, entries: Sequence[Entry]) -> None:
         with self._cond:
-            self._busy.difference_update(e.slot for e in entries)
+            for e in entries:
+                self._busy[e.slot] = self._busy.get(e.slot, 0) + 1
+
+    def _unmark_busy(self, entries: Sequence[Entry]) -> None:
+        with self._cond:
+            for e in entries:
+                left = self._busy[e.slot] - 1
+                if left:
+                    self._busy[e.slot] = left
+                else:
+                    del self._busy[e.slot]
             self._cond.notify_all()
+
+    def _unbusy(self, plan: Promotion) -> None:
+        """The plan's slots may be written again (once: read and abandon both call this)."""
+        if plan.busy:
+            plan.busy = False
+            self._unmark_busy(plan.taken)
 
     def _restore(self, entries: Sequence[Entry]) -> None:
         """Planned entries back in the index, each whose slot no demotion took meanwhile
@@ -410,7 +428,7 @@ class DiskTier(NoTier):
                 self._writing = True
                 self._cond.notify_all()
                 slots = {slot for slot, _ in batch}
-                while self._busy & slots:  # a promotion reads one of them now
+                while any(slot in self._busy for slot in slots):  # a promotion reads one
                     self._cond.wait()
             try:
                 jobs: list[tuple[int, bytes, bytes | memoryview] | int] = []
