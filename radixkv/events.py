@@ -41,6 +41,7 @@ class KVEvent:
     parent_block_hash: int | None = None
     window_ids: tuple[int, ...] = ()  # window_*: the window parts of block_ids' positions
     key_size: int = 0  # key-keyed namespaces: `tokens` holds the blocks' keys, this size each
+    tier: str = ""  # removed: "disk" when the blocks left the pool for the disk tier below it
 
 
 _P = 0x9E3779B97F4A7C15  # the chain's multiplier (odd)
@@ -107,8 +108,8 @@ class EventLog:
         self.block_size = block_size
         self.capacity = capacity
         self._buffer: deque[KVEvent] = deque(maxlen=capacity)
-        # (sequence, namespace, time, event (None: cleared), key size (0: token-keyed))
-        self._queued: list[tuple[int, str, float, TreeEvent | None, int]] = []
+        # (sequence, namespace, time, event (None: cleared), key size (0: token-keyed), tier)
+        self._queued: list[tuple[int, str, float, TreeEvent | None, int, str]] = []
         self._last = 0
         self._cond = threading.Condition()
         self._hash_of: dict[str, dict[int, int]] = {}  # namespace -> block id -> hash
@@ -117,13 +118,16 @@ class EventLog:
     def last_sequence(self) -> int:
         return self._last
 
-    def publish(self, namespace: str, events: Iterable[TreeEvent], key_size: int = 0) -> None:
-        """`key_size`: the namespace is key-keyed (its events' `tokens` are block keys)."""
+    def publish(self, namespace: str, events: Iterable[TreeEvent], key_size: int = 0,
+                tier: str = "") -> None:
+        """`key_size`: the namespace is key-keyed (its events' `tokens` are block keys);
+        `tier`: where the removed blocks went ("disk": the tier below the pool, still hittable
+        here; "": gone)."""
         with self._cond:
             now = time.time()
             for ev in events:
                 self._last += 1
-                self._queued.append((self._last, namespace, now, ev, key_size))
+                self._queued.append((self._last, namespace, now, ev, key_size, tier))
             if len(self._queued) >= min(self.HASH_BATCH, self.capacity):
                 self._hash_queued()
             self._cond.notify_all()
@@ -132,7 +136,7 @@ class EventLog:
         """AllBlocksCleared for one namespace: its block hashes are forgotten."""
         with self._cond:
             self._last += 1
-            self._queued.append((self._last, namespace, time.time(), None, 0))
+            self._queued.append((self._last, namespace, time.time(), None, 0, ""))
             self._cond.notify_all()
 
     def _hash_queued(self) -> None:
@@ -142,10 +146,10 @@ class EventLog:
         queued, self._queued = self._queued, []
         run = block_bytes(self.block_size)
         contents = _contents(b"".join(ev.tokens[:len(ev.block_ids) * run]
-                                      for *_, ev, ks in queued
+                                      for *_, ev, ks, _ in queued
                                       if isinstance(ev, BlockStored) and not ks), self.block_size)
         at = 0
-        for sequence, namespace, when, ev, key_size in queued:
+        for sequence, namespace, when, ev, key_size, tier in queued:
             if ev is None:
                 self._hash_of.pop(namespace, None)
                 self._buffer.append(KVEvent(sequence, namespace, when, "cleared"))
@@ -165,7 +169,8 @@ class EventLog:
                                             parent_hash, key_size=key_size))
             elif isinstance(ev, BlockRemoved):
                 self._buffer.append(KVEvent(sequence, namespace, when, "removed", ev.block_ids,
-                                            block_hashes=tuple(map(known.pop, ev.block_ids))))
+                                            block_hashes=tuple(map(known.pop, ev.block_ids)),
+                                            tier=tier))
                 if not known:  # its last block went: so did the namespace (or it will)
                     del self._hash_of[namespace]
             else:  # a window part came or went; the positions (full parts) stay

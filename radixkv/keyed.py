@@ -33,6 +33,8 @@ MAX_KEY_SIZE = 64
 class KeyNamespace(Namespace):
     """A namespace whose blocks are named by `key_size`-byte keys."""
 
+    tiered = False  # a slot's chain hash and its restart check are over token ids
+
     def __init__(self, name: str, block_size: int, key_size: int,
                  policy: EvictionPolicy[Any], clock: Callable[[], int]) -> None:
         self.name = name

@@ -65,6 +65,7 @@ class Namespace:
     """A full-attention namespace."""
 
     key_size = 0  # token-keyed (radixkv.keyed: key-keyed)
+    tiered = True  # its blocks may go to the tier below the pool (docs/disk-tier.md)
 
     def __init__(self, name: str, block_size: int, window_blocks: int, policy: EvictionPolicy[Any],
                  clock: Callable[[], int]) -> None:
@@ -258,6 +259,8 @@ class Namespace:
 class WindowNamespace(Namespace):
     """A sliding-window namespace: blocks have a full part and maybe a window part; a resume
     needs the window parts of its last window_blocks blocks."""
+
+    tiered = False  # the disk tier holds full-attention blocks only (docs/disk-tier.md)
 
     def __init__(self, name: str, block_size: int, window_blocks: int, policy: EvictionPolicy[Any],
                  clock: Callable[[], int]) -> None:

@@ -136,10 +136,12 @@ class Reclaimer:
                     key = ns.tree.next_victim_key()
                     if key is None or key > keyed[1][0]:
                         break
-            self.tier.demote(ns.name, freed)
+            demoted = ns.tiered and self.tier.present
+            if demoted:
+                self.tier.demote(ns.name, freed)
             self.pool.free(freed)
             events, count = ns.evicted(freed)
-            self.events.publish(ns.name, events)
+            self.events.publish(ns.name, events, tier="disk" if demoted else "")
             ns.life.evicted_blocks += count
             evicted += count
             if ns is not keep:

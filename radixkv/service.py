@@ -1,10 +1,12 @@
 """The service core: one block pool, one radix tree per namespace, leases. No gRPC here.
 
-Every pool block is always in exactly one of three states, and `check_integrity()` proves it:
+Every pool block is always in exactly one of four states, and `check_integrity()` proves it:
 
     free        in the pool's free list
     leased      allocated to a lease, written by an engine, not yet inserted
     cached      owned by a namespace's tree (pinned while a lease has it locked)
+    reserved    being read into from the tier below during a Match (no tree points at it yet;
+                the Match puts it in the tree, or frees it if the read fails)
 
 A request's life (each step is one call, each renews the lease's TTL):
 
@@ -139,15 +141,11 @@ class KVService:
         found: list[MatchResult] = []  # the trees' matches, for the stores
         epoch = self.pool.epoch
         key = _client_key(owner, client)
-        plans = self._plan_promotions(queries)
+        check = functools.partial(self._check_match_room, key, queries, sizes)
+        plans = self._plan_promotions(queries, sizes, check)
         with self._lock:
             try:
-                names = {name for name, _ in queries}
-                self._namespaces.check_room(len([n for n in names
-                                                 if n not in self._namespaces]))
-                self._leases.check_room(key, len(queries), names)
-                self._namespaces.check_kinds(
-                    (name, size) for (name, _), size in zip(queries, sizes, strict=True))
+                check()
             except BaseException:
                 self._abandon(plans)
                 raise
@@ -156,8 +154,7 @@ class KVService:
                 lease = self._leases.open(owner, key, ns.name, ttl)
                 ns.num_leases += 1
                 if plan is not None:  # blocks read from the tier below go in first
-                    self._tier.apply(ns, plan, functools.partial(self._make_room, ns),
-                                     self._publish)
+                    self._tier.apply(ns, plan, self._publish)
                 m = ns.match(lease, tokens)
                 answer = ns.answer(lease.lease_id, m, epoch)
                 self._recent.append((ns.span(tokens), answer.num_tokens))
@@ -168,12 +165,34 @@ class KVService:
                        for i, o in enumerate(out)]
         return out
 
-    def _plan_promotions(self, queries: Sequence[tuple[str, bytes]]) -> list[Any]:
-        """What the tier below the pool has for each query, read off the lock (radixkv/tiers.py:
-        plan, read; `apply` puts it in the tree under the lock, before the Match)."""
+    def _check_match_room(self, key: str, queries: Sequence[tuple[str, bytes]],
+                          sizes: Sequence[int]) -> None:
+        """A Match batch's limits and kinds (under the lock)."""
+        names = {name for name, _ in queries}
+        self._namespaces.check_room(len([n for n in names if n not in self._namespaces]))
+        self._leases.check_room(key, len(queries), names)
+        self._namespaces.check_kinds(
+            (name, size) for (name, _), size in zip(queries, sizes, strict=True))
+
+    def _plan_promotions(self, queries: Sequence[tuple[str, bytes]], sizes: Sequence[int],
+                         check: Callable[[], None]) -> list[Any]:
+        """What the tier below the pool has for each token-keyed query, read off the lock
+        into pool blocks reserved for it (radixkv/tiers.py: plan, read; `apply` puts it in the
+        tree under the lock, before the Match). `check`: the batch's checks, made first, so a
+        batch that fails them evicts nothing to make room. Nothing without a tier."""
+        if not self._tier.present:
+            return [None] * len(queries)
         with self._lock:
-            plans = [self._tier.plan(name, self._namespaces.get(name), tokens)
-                     for name, tokens in queries]
+            check()
+            plans: list[Any] = []
+            try:
+                for (name, tokens), size in zip(queries, sizes, strict=True):
+                    ns = self._namespaces.get(name)
+                    plans.append(None if size else self._tier.plan(
+                        name, ns, tokens, functools.partial(self._make_room, ns)))
+            except BaseException:
+                self._abandon(plans)
+                raise
         if any(p is not None for p in plans):
             try:
                 self._tier.read([p for p in plans if p is not None])
@@ -413,11 +432,12 @@ class KVService:
             cached = sum(ns.tree.num_cached_blocks + ns.num_window_blocks  # ids of one pool
                          for ns in self._namespaces)
             free = self.pool.num_free + self.pool.num_free_window
-            total = free + leased + cached
+            reserved = self._tier.reserved_blocks  # being read into from the tier below
+            total = free + leased + cached + reserved
             if total != self.pool.num_blocks:
                 raise IntegrityError(
-                    f"free {free} + leased {leased} + cached {cached} = {total} "
-                    f"!= {self.pool.num_blocks} blocks")
+                    f"free {free} + leased {leased} + cached {cached} + reserved {reserved} "
+                    f"= {total} != {self.pool.num_blocks} blocks")
             if any(by_ns[ns.name] != ns.num_leases for ns in self._namespaces):
                 raise IntegrityError("per-client or per-namespace lease counts are off")
             if any(name not in self._namespaces for name in by_ns):
@@ -432,7 +452,7 @@ class KVService:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _make_room(self, ns: Namespace, num_blocks: int, sinks: int) -> int:
+    def _make_room(self, ns: Namespace | None, num_blocks: int, sinks: int) -> int:
         return self._reclaim.make_room(num_blocks, keep=ns, sinks=sinks)
 
     def _publish(self, namespace: str) -> None:
@@ -454,7 +474,7 @@ class KVService:
         ns = self._namespaces[lease.namespace]
         self._leases.touch(lease)
         result = ns.insert(lease, tokens, block_ids, hint, window_ids, pin)
-        if not ns.key_size:  # the tier below holds token-keyed namespaces (docs/disk-tier.md)
+        if ns.tiered:
             self._tier.inserted(ns.name, tokens, block_ids, result)
         if result.duplicates:
             self.pool.free(list(result.duplicates))

@@ -3,9 +3,9 @@
 The service calls these, under its lock except `read`, and never asks which tier it has:
 
     plan       before a Match (under the lock): which blocks below continue the prompt's cached
-    read       prefix; then (off the lock) read them; then (under the lock again, before the
-    apply      Match reads the tree) put them in pool blocks, inserted in the tree; `abandon`
-               undoes a plan whose Match failed
+    read       prefix, and pool blocks reserved for them; then (off the lock) read them into
+    apply      those blocks; then (under the lock again, before the Match reads the tree)
+               insert them in the tree; `abandon` undoes a plan whose Match failed
     demote     pool blocks the policy evicted, before they go back to the free list
     inserted   blocks an Insert adopted (the tier learns their keys; a copy below is dropped)
     cleared    a namespace's blocks dropped by Clear
@@ -30,20 +30,30 @@ Publish = Callable[[str], None]  # publish a namespace's queued tree events
 
 
 class NoTier:
-    def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Any:
+    present = False  # False: no tier, so a Match plans nothing (and takes no extra lock round)
+
+    def plan(self, name: str, ns: Namespace | None, tokens: bytes, make_room: MakeRoom) -> Any:
         """What a Match of `tokens` in namespace `name` (`ns`: its tree, None if it has none
-        now) would bring up (None: nothing)."""
+        now) would bring up (None: nothing), with the pool blocks it will go to reserved
+        (`make_room` evicts for them)."""
         return None
 
     def read(self, plans: Sequence[Any]) -> None:
-        """Read the plans' blocks (off the service lock)."""
+        """Read the plans' blocks into their reserved pool blocks (off the service lock)."""
 
-    def apply(self, ns: Namespace, plan: Any, make_room: MakeRoom, publish: Publish) -> int:
-        """A read plan's blocks into `ns`'s tree; returns how many."""
+    def apply(self, ns: Namespace, plan: Any, publish: Publish) -> int:
+        """A read plan's blocks into `ns`'s tree, the rest of its reserved blocks freed;
+        returns how many."""
         return 0
 
     def abandon(self, plan: Any) -> None:
-        """Undo a plan that will not be applied."""
+        """Undo a plan that will not be applied (its reserved blocks freed)."""
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Pool blocks reserved by plans not yet applied or abandoned: neither free, leased
+        nor cached, and no tree points at them."""
+        return 0
 
     def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
         """`block_ids` (still holding their KV) leave the pool."""

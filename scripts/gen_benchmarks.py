@@ -334,6 +334,12 @@ def disk_tier(r: dict[str, Any]) -> list[str]:
          f"{r['fs_write_GBps']:.3f} GB/s", f"{r['demote_vs_fs_write']:.2f}"],
         ["promote (Match, CRC checked)", f"{r['promote_GBps']:.3f} GB/s",
          f"{r['fs_read_GBps']:.3f} GB/s", f"{r['promote_vs_fs_read']:.2f}"]])
+    if "fs_read_dd_GBps" in r:
+        out += ["", "The read floor is the faster of two reads of the same bytes: as the tier "
+                f"reads ({r['fs_read_threads']} thread{'s' * (r['fs_read_threads'] > 1)}, "
+                f"{size(r['fs_read_request_bytes'])} requests in file order with os.preadv: "
+                f"{r['fs_read_tier_like_GBps']:.3f} GB/s) and as dd "
+                f"does (one thread, 4 MiB reads: {r['fs_read_dd_GBps']:.3f} GB/s)."]
     out += ["", f"Warm restart: {r['loaded_after_restart']} of {r['cached_before_restart']} "
             f"blocks loaded, hit fraction {r['warm_restart_hit_fraction']:.3f}, "
             f"{r['wrong_blocks']} wrong blocks."]

@@ -313,7 +313,8 @@ def test_replay_with_a_disk_tier_reports_hits_per_tier(workdir):
 
 def test_key_keyed_namespaces_stay_in_memory_beside_the_tier(workdir):
     """Blocks named by keys (no token ids) are evicted, not demoted, and a restart does not
-    bring their namespace back as a token-keyed one."""
+    bring their namespace back as a token-keyed one; the events say which removed blocks went
+    to disk (BlockRemoved.tier "disk") and which are gone ("")."""
     keys = [bytes([i]) * 32 for i in range(1, 11)]  # one chain of 10 keys through an 8-block pool
     server = serve(workdir, 8, 32)
     try:
@@ -331,6 +332,16 @@ def test_key_keyed_namespaces_stay_in_memory_beside_the_tier(workdir):
             again = kv.match_keys("keyed", keys[:5])
             kv.release(again.lease_id)
             assert len(again.block_ids) < 5
+            # the events say where evicted blocks went: the token blocks to disk, the key
+            # blocks nowhere
+            assert [put(kv, "ns", t) for t in (p(5), p(6), p(7), p(8))] == [0] * 4
+            s = kv.stats()
+            removed: dict[str, list[str]] = {"ns": [], "keyed": []}
+            for ev in kv.events(from_sequence=1, timeout=2):
+                if ev.WhichOneof("kind") == "removed":
+                    removed[ev.namespace] += [ev.removed.tier] * len(ev.removed.block_ids)
+            assert removed["ns"] == ["disk"] * s["disk"]["demoted_blocks"] and removed["ns"]
+            assert removed["keyed"] == [""] * (5 - cached.get("keyed", 0))
     finally:
         stopped(server)
     server = serve(workdir, 8, 32)

@@ -332,6 +332,8 @@ def event_dict(ev: pb.Event) -> dict[str, Any]:
     elif kind == "removed":
         out.update(type="BlockRemoved", block_ids=list(ev.removed.block_ids),
                    block_hashes=list(ev.removed.block_hashes))
+        if ev.removed.tier:  # where they went: the disk tier below the pool
+            out.update(tier=ev.removed.tier)
     elif kind in ("window_stored", "window_removed"):
         w = getattr(ev, kind)
         out.update(type="WindowStored" if kind == "window_stored" else "WindowRemoved",

@@ -34,9 +34,9 @@ class DiskIndex:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._free = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
+        self._free_set = set(self._free)
         self._lru: OrderedDict[Key, Entry] = OrderedDict()  # oldest demotion first
         self._per_ns: dict[str, int] = {}
-        self._reserved = 0  # slots of entries taken out for a promotion
         self.payload_bytes = 0  # of the entries held
 
     def __len__(self) -> int:
@@ -68,6 +68,7 @@ class DiskIndex:
             while not self._free:
                 evicted.append(self._pop_oldest())
             slot = self._free.pop()
+            self._free_set.discard(slot)
         entry = Entry(meta, slot, staging)
         self._lru[(meta.namespace, meta.hash)] = entry
         self._count(entry)
@@ -81,6 +82,7 @@ class DiskIndex:
         """Fill an empty index with (slot, meta) found on disk, oldest first."""
         held = {slot for slot, _ in found}
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in held]
+        self._free_set = set(self._free)
         for slot, meta in found:
             self.add(meta, None, slot=slot)
 
@@ -88,6 +90,7 @@ class DiskIndex:
         _, entry = self._lru.popitem(last=False)
         self._forget(entry)
         self._free.append(entry.slot)
+        self._free_set.add(entry.slot)
         return entry
 
     def _forget(self, entry: Entry) -> None:
@@ -99,30 +102,28 @@ class DiskIndex:
         else:
             del self._per_ns[ns]
 
-    def take(self, key: Key) -> Entry:
-        """Out of the index for a promotion; its slot stays reserved until `release` (or
-        `restore` puts it back)."""
-        entry = self._lru.pop(key)
-        self._forget(entry)
-        self._reserved += 1
-        return entry
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free_set
 
-    def restore(self, entry: Entry) -> None:
-        """A taken entry back, as the newest."""
-        self._reserved -= 1
-        self._lru[(entry.meta.namespace, entry.meta.hash)] = entry
+    def put_back(self, entry: Entry) -> bool:
+        """A promotion's entry back, as the newest, if its slot is still free (no demotion
+        took it meanwhile, so it still holds the block) and its key is not held; False if
+        not."""
+        key = (entry.meta.namespace, entry.meta.hash)
+        if entry.slot not in self._free_set or key in self._lru:
+            return False
+        self._free.remove(entry.slot)
+        self._free_set.discard(entry.slot)
+        self._lru[key] = entry
         self._count(entry)
-
-    def release(self, entry: Entry) -> None:
-        """A taken entry's slot is free again."""
-        self._reserved -= 1
-        self._free.append(entry.slot)
+        return True
 
     def drop(self, key: Key) -> Entry | None:
         entry = self._lru.pop(key, None)
         if entry is not None:
             self._forget(entry)
             self._free.append(entry.slot)
+            self._free_set.add(entry.slot)
         return entry
 
     def drop_namespace(self, namespace: str) -> list[Entry]:
@@ -130,11 +131,13 @@ class DiskIndex:
         return [e for k in keys if (e := self.drop(k)) is not None]
 
     def check(self) -> str | None:
-        """None, or the first invariant that fails: every slot held, free or reserved once."""
+        """None, or the first invariant that fails: every slot held or free, once."""
         held = [e.slot for e in self._lru.values()]
-        if len(held) + len(self._free) + self._reserved != self.capacity:
-            return (f"disk slots: {len(held)} held + {len(self._free)} free + {self._reserved} "
-                    f"promoting != {self.capacity}")
+        if len(held) + len(self._free) != self.capacity:
+            return (f"disk slots: {len(held)} held + {len(self._free)} free "
+                    f"!= {self.capacity}")
+        if set(self._free) != self._free_set or len(self._free_set) != len(self._free):
+            return "the disk tier's free slot list and set disagree"
         if len(set(held) | set(self._free)) != len(held) + len(self._free):
             return "a disk slot is both held and free, or held twice"
         if sum(self._per_ns.values()) != len(self._lru):

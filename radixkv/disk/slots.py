@@ -15,7 +15,7 @@ generation newer than the file's is dropped too.
 
 The payload is the block's bytes in the pool's format (`Slab.block_bytes`), quantized formats
 and sink blocks included. I/O is positional and vectored (os.pwritev / os.preadv), so one
-thread may write while another reads.
+thread may write while others read; a run of adjacent slots is one call either way.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ class SlotFile:
         self.num_slots = num_slots
         self.fingerprint = layout_fingerprint(layout)
         self.token_bytes = layout.block_size * TOKEN_BYTES
+        # where a read puts the pads between payloads (shared by the reader threads: unread)
+        self._discard = memoryview(bytearray(self.geometry.slot_bytes - self.geometry.meta_bytes))
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             self.generation = self._open_header()
@@ -193,25 +195,33 @@ class SlotFile:
                 raise OSError(f"short write to {self.path}: {done} of {want} bytes")
             i = j + 1
 
-    def prefetch(self, slots: Sequence[int]) -> None:
-        """Ask the kernel to start reading these slots now (posix_fadvise WILLNEED): the
-        reads of one promotion then overlap instead of waiting one after another."""
-        for slot in slots:
-            os.posix_fadvise(self.fd, self.offset(slot), self.geometry.slot_bytes,
-                             os.POSIX_FADV_WILLNEED)
+    def read_run(self, first: int, outs: Sequence[memoryview]) -> tuple[list[bytearray], int]:
+        """Read slots first, first+1, ... in one os.preadv: each header into a buffer of its
+        own (returned), each payload straight into its `outs` buffer (len payload_len), the
+        pads discarded. Returns the headers and the bytes read; `check_run` checks them."""
+        g = self.geometry
+        heads = [bytearray(g.meta_bytes) for _ in outs]
+        buffers: list[bytearray | memoryview] = []
+        for head, out in zip(heads, outs, strict=True):
+            buffers += [head, out]
+            if pad := g.slot_bytes - g.meta_bytes - len(out):
+                buffers.append(self._discard[:pad])
+        return heads, os.preadv(self.fd, buffers, self.offset(first))
 
-    def read_into(self, slot: int, meta: SlotMeta, out: memoryview) -> bool:
-        """Read a slot's payload into `out` (len payload_len) and check the slot's CRC against
-        the header it has now: True when it verifies and still holds `meta`'s block."""
-        head = bytearray(self.geometry.meta_bytes)
-        got = os.preadv(self.fd, [head, out], self.offset(slot))
-        if got != len(head) + len(out):
-            return False
+    def check_run(self, heads: Sequence[bytearray], got: int, metas: Sequence[SlotMeta],
+                  outs: Sequence[memoryview]) -> list[bool]:
+        """After `read_run`: for each of the run's slots, whether it was read whole, verifies
+        its CRC and still holds its `metas` block."""
+        g = self.geometry
+        return [got >= k * g.slot_bytes + g.meta_bytes + len(out) and self._verify(head, meta, out)
+                for k, (head, meta, out) in enumerate(zip(heads, metas, outs, strict=True))]
+
+    def _verify(self, head: bytearray, meta: SlotMeta, payload: memoryview) -> bool:
         parsed = self._parse(bytes(head))
         if parsed is None or parsed[0] != meta:
             return False
         crc, meta_crc, body = parsed[1], parsed[2], parsed[3]
-        return crc == zlib.crc32(out, zlib.crc32(struct.pack("<I", meta_crc) + body))
+        return crc == zlib.crc32(payload, zlib.crc32(struct.pack("<I", meta_crc) + body))
 
     def _parse(self, head: bytes) -> tuple[SlotMeta, int, int, bytes] | None:
         if head[:4] != SLOT_MAGIC:

@@ -17,8 +17,9 @@ blocks on disk brings up to `promote_blocks` of them into pool blocks (evicting,
 as an Allocate would), checks each slot's CRC, inserts them in the tree and only then matches;
 the lease pins them like any hit, so an engine never reads a block whose promotion has not
 completed. A slot that fails its check is dropped and counted (`verify_failures`): the Match
-stops there, a miss, never wrong KV. Reads are os.preadv straight into the pool block, under
-the service lock (one Match's blocks, in order).
+stops there, a miss, never wrong KV. The pool blocks are reserved under the service lock
+(`plan`), read into straight from the file off it (`read`: os.preadv, no copy), and put in the
+tree under it again (`apply`); while reserved they are in no tree and no lease.
 
 Warm restart: `close(write_down=True)` (SIGTERM) writes every cached pool block to a slot and
 fsyncs; the next start on the same directory scans the slot headers (`meta_crc`, the chain
@@ -34,10 +35,8 @@ import os
 import threading
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from gpu_pool.base import BlockPool
 from radixkv.disk.index import DiskIndex, Entry, Key
@@ -53,8 +52,8 @@ log = logging.getLogger("radixkv.disk")
 
 WRITE_BATCH = 64  # slots per writer pass
 MAX_PENDING = 1024  # queued demotions before a demotion waits for the writer
-MAX_SPARE = 64  # read buffers kept for the next promotions
-READERS = 4  # threads reading one promotion's blocks
+CHECKERS = 2  # threads checking the CRCs of blocks read (crc32 releases the GIL)
+RUN_SLOTS = 4  # adjacent slots read by one os.preadv at most (4 MiB of 1 MiB blocks)
 
 
 @dataclass(slots=True, eq=False)
@@ -66,9 +65,11 @@ class Promotion:
     cached: int  # blocks of the prompt cached in the pool when planned (pinned by `handle`)
     handle: object
     taken: list[Entry]
-    payloads: list[bytes | memoryview] = field(default_factory=list)
-    failed: bool = False  # the entry after the payloads failed its check
-
+    ids: list[int]  # the pool blocks reserved for them, in the same order
+    views: list[memoryview] = field(default_factory=list)  # where each payload goes
+    good: int = 0  # blocks read and verified, from the first
+    failed: bool = False  # the entry after the good ones failed its check
+    busy: bool = False  # its slots are marked busy (DiskTier._busy) until its read is done
 
 @dataclass(frozen=True, slots=True)
 class BlockKey:
@@ -82,6 +83,8 @@ class BlockKey:
 
 
 class DiskTier(NoTier):
+    present = True
+
     def __init__(self, pool: BlockPool, directory: str, capacity_blocks: int,
                  promote_blocks: int = 1 << 20) -> None:
         self.pool = pool
@@ -92,8 +95,11 @@ class DiskTier(NoTier):
         self.index = DiskIndex(capacity_blocks)
         self._mem: dict[int, BlockKey] = {}  # pool block id -> its key (cached blocks)
         self._seq = 0
-        self._spare: list[bytearray] = []  # read buffers (list.pop / append: atomic)
-        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="disk-reader")
+        self._reserved: set[int] = set()  # pool blocks a promotion reads into (plan to apply)
+        # slot -> promotions reading it now (a slot freed and taken again can be read by two):
+        # writes to these wait (under _cond)
+        self._busy: dict[int, int] = {}
+        self._checkers = ThreadPoolExecutor(CHECKERS, thread_name_prefix="disk-check")
         self._counts = dict(hit_tokens=0, promoted_blocks=0, demoted_blocks=0,
                             evicted_blocks=0, verify_failures=0, loaded_blocks=0,
                             dropped_at_load=0)
@@ -101,6 +107,7 @@ class DiskTier(NoTier):
         self._queue: deque[tuple[int, Entry | None]] = deque()  # (slot, entry | tombstone)
         self._cond = threading.Condition()
         self._stop = False
+        self._writing = False  # the writer holds a batch it has not written yet
         self._error: BaseException | None = None
         self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
         self._writer.start()
@@ -194,7 +201,9 @@ class DiskTier(NoTier):
 
     def _enqueue(self, slot: int, entry: Entry | None) -> None:
         with self._cond:
-            while len(self._queue) >= MAX_PENDING and self._error is None:
+            # (not while a promotion reads: the writer may be waiting for its slots, and the
+            # promotion's own evictions come here before its read)
+            while len(self._queue) >= MAX_PENDING and not self._busy and self._error is None:
                 self._cond.wait(1.0)
             self._queue.append((slot, entry))
             self._cond.notify_all()
@@ -207,11 +216,13 @@ class DiskTier(NoTier):
             self._free(entry)
         return len(dropped)
 
-    def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Promotion | None:
+    def plan(self, name: str, ns: Namespace | None, tokens: bytes,
+             make_room: MakeRoom) -> Promotion | None:
         """Under the service lock: the disk entries that continue `tokens`' cached prefix in
         namespace `name` (`ns`, None when it has no tree now; at most promote_blocks), taken
-        out of the index (their slots reserved), and that prefix pinned in the tree until
-        `apply` or `abandon`. None: nothing to promote."""
+        out of the index (their slots reserved), pool blocks reserved for them (`make_room`
+        evicts, so demotes, as an Allocate would; none when the pool has no room), and that
+        prefix pinned in the tree until `apply` or `abandon`. None: nothing to promote."""
         if not self.index.has_namespace(name):
             return None
         bb, k, handle, parent = self._bb, 0, None, ZERO_HASH
@@ -221,79 +232,168 @@ class DiskTier(NoTier):
             if k:
                 known = self._mem.get(m.block_ids[-1])
                 parent = known.hash if known is not None else self._chain(name, tokens, k)
-        taken: list[Entry] = []
+        found: list[Entry] = []
         for i in range(k, min(len(tokens) // bb, k + self.promote_blocks)):
             tok = tokens[i * bb:(i + 1) * bb]
             h = chain_hash(parent, name, tok)
             entry = self.index.get((name, h))
             if entry is None or entry.meta.tokens != tok:
                 break
-            taken.append(self.index.take((name, h)))
+            found.append(entry)
             parent = h
-        if not taken:
+        if not found:
             return None
+        self._mark_busy(found)  # no write touches their slots until they are read
+        for entry in found:  # their slots free: the blocks evicted to make room may take them
+            self.index.drop((name, entry.meta.hash))
         if ns is not None:  # nothing may evict the prefix they extend meanwhile
             ns.tree.lock(handle, hit=False)
-        return Promotion(ns, tokens, k, handle, taken)
+        try:
+            make_room(len(found), int(k == 0))
+            ids = self.pool.alloc(len(found), sinks=int(k == 0))
+        except OutOfBlocks:  # all pinned: the blocks stay on disk, this Match misses them
+            self._restore(found)
+            self._unmark_busy(found)
+            if ns is not None:
+                ns.tree.unlock(handle)
+            return None
+        plan = Promotion(ns, tokens, k, handle, found, ids, busy=True)
+        for entry, b in zip(found, ids, strict=True):
+            block = self.pool.block_bytes(b)
+            if entry.meta.payload_len > len(block):  # not this block's format: read no further
+                break
+            plan.views.append(block.data[:entry.meta.payload_len])
+        self._reserved.update(ids)
+        return plan
 
     def read(self, plans: Sequence[Promotion]) -> None:
-        """Off the service lock: each plan's payloads read (os.preadv, the kernel told to
-        read them all ahead first) and checked, up to the first that fails its CRC. Blocks
-        are read by READERS threads at once (preadv and crc32 release the GIL), so one
-        block's check overlaps the next one's read."""
-        self.file.prefetch([e.slot for p in plans for e in p.taken if e.staging is None])
-        for p in plans:
-            got = list(self._readers.map(self._fetch, p.taken))
-            bad = next((i for i, data in enumerate(got) if data is None), len(got))
-            p.failed = bad < len(got)
-            p.payloads.extend(d for d in got[:bad] if d is not None)
-            self._recycle([d for d in got[bad:] if d is not None])
-
-    def apply(self, ns: Namespace, plan: Promotion, make_room: MakeRoom,
-              publish: Publish) -> int:
-        """Under the service lock again: the read blocks into new pool blocks in the tree
-        (evicting, so demoting, to make room), before the Match reads the tree. Returns the
-        blocks promoted."""
-        good = len(plan.payloads)
-        self._counts["verify_failures"] += plan.failed
-        self._settle(plan.taken, good)
+        """Off the service lock: each plan's payloads read straight into its reserved pool
+        blocks and checked; `good` counts those that verify, up to the first that fails.
+        This thread reads runs of adjacent slots (up to RUN_SLOTS, one os.preadv each) in slot
+        order, one after another: one sequential stream, which the kernel's readahead
+        follows (reader threads taking runs in turn defeat it: it measured slower), while
+        CHECKERS threads check the CRCs of the runs already read."""
+        checks: list[tuple[Promotion, list[int], Future[list[bool]] | None]] = []
         try:
-            try:
-                if plan.ns is not None and ns is not plan.ns:  # dropped and made again
-                    raise OutOfBlocks("stale plan")
-                if good:
-                    make_room(good, int(plan.cached == 0))
-            except OutOfBlocks:  # no room in the pool (all pinned): back to disk
-                for entry, data in zip(plan.taken, plan.payloads, strict=False):
-                    self._requeue(entry.meta, data)
-                return 0
+            for p in plans:
+                for run in self._runs(p):
+                    checks.append((p, run, self._read_run(p, run)))
+            verified = [[True] * len(run) if f is None else f.result() for _, run, f in checks]
+        except BaseException:  # no checker left reading blocks the caller is about to free
+            wait([f for _, _, f in checks if f is not None])
+            raise
+        finally:
+            for p in plans:
+                self._unbusy(p)
+        for p in plans:  # (a run is in slot order, often the reverse of the prompt's)
+            bad = [i for (q, run, _), oks in zip(checks, verified, strict=True) if q is p
+                   for i, ok in zip(run, oks, strict=True) if not ok]
+            p.good = min(bad, default=len(p.views))
+            p.failed = p.good < len(p.views)
+
+    def _runs(self, plan: Promotion) -> list[list[int]]:
+        """The plan's entries (their places in it) as runs of adjacent slots, in slot order;
+        an entry whose write is still queued is a run of its own."""
+        order = sorted(range(len(plan.views)), key=lambda i: plan.taken[i].slot)
+        runs: list[list[int]] = []
+        last, last_alone = -2, False
+        for i in order:
+            entry = plan.taken[i]
+            alone = entry.staging is not None  # (the writer only ever clears it)
+            if alone or last_alone or entry.slot != last + 1 or len(runs[-1]) >= RUN_SLOTS:
+                runs.append([i])
+            else:
+                runs[-1].append(i)
+            last, last_alone = entry.slot, alone
+        return runs
+
+    def _read_run(self, plan: Promotion, run: list[int]) -> Future[list[bool]] | None:
+        """Read one run into its pool blocks; the check of each block is queued for a
+        checker. None: the run verified already (a queued write's copy)."""
+        first = plan.taken[run[0]]
+        staging = first.staging
+        if staging is not None:  # its write is still queued (a run of one): the copy in memory
+            plan.views[run[0]][:] = staging
+            return None
+        outs = [plan.views[i] for i in run]
+        heads, got = self.file.read_run(first.slot, outs)
+        return self._checkers.submit(self.file.check_run, heads, got,
+                                     [plan.taken[i].meta for i in run], outs)
+
+    def apply(self, ns: Namespace, plan: Promotion, publish: Publish) -> int:
+        """Under the service lock again: the verified blocks, already in their reserved pool
+        blocks, into the tree (the rest freed), before the Match reads the tree. Returns the
+        blocks promoted."""
+        good, ids = plan.good, plan.ids
+        self._counts["verify_failures"] += plan.failed
+        gone = good + plan.failed  # the promoted ones, and the one that failed its check
+        self._tombstone(plan.taken[:gone])
+        self._restore(plan.taken[gone:])  # the rest stay on disk
+        self._reserved.difference_update(ids)
+        try:
+            if plan.ns is not None and ns is not plan.ns:  # dropped and made again: to disk
+                for entry, b, view in zip(plan.taken[:good], ids, plan.views, strict=False):
+                    self._requeue(entry.meta, bytes(self.pool.block_bytes(b)[:len(view)]))
+                good = 0
+            if good < len(ids):
+                self.pool.free(ids[good:])
             if not good:
                 return 0
-            ids = self.pool.alloc(good, sinks=int(plan.cached == 0))
-            for b, data in zip(ids, plan.payloads, strict=True):
-                self.pool.block_bytes(b)[:len(data)] = np.frombuffer(data, np.uint8)
-            return self._adopt(ns, plan.tokens[:(plan.cached + good) * self._bb], ids, publish)
+            return self._adopt(ns, plan.tokens[:(plan.cached + good) * self._bb], ids[:good],
+                               publish)
         finally:
-            self._recycle(plan.payloads)
+            plan.views.clear()
             if plan.ns is not None:
                 plan.ns.tree.unlock(plan.handle)
 
     def abandon(self, plan: Promotion) -> None:
-        """A plan not applied (its Match failed): its entries back on disk, its pin gone."""
-        for entry in plan.taken:
-            self.index.restore(entry)
-        self._recycle(plan.payloads)
+        """A plan not applied (its Match failed): its entries back on disk, its reserved
+        blocks free, its pin gone."""
+        self._unbusy(plan)
+        self._restore(plan.taken)
+        self._reserved.difference_update(plan.ids)
+        plan.views.clear()
+        self.pool.free(plan.ids)
         if plan.ns is not None:
             plan.ns.tree.unlock(plan.handle)
 
-    def _settle(self, taken: list[Entry], good: int) -> None:
-        """After reading `good` of the taken entries: their slots (and the one that failed,
-        if any) are free; the rest are back on disk."""
-        for entry in taken[:good + 1]:
-            self.index.release(entry)
-            self._free(entry)
-        for entry in taken[good + 1:]:
-            self.index.restore(entry)
+    @property
+    def reserved_blocks(self) -> int:
+        return len(self._reserved)
+
+    def _mark_busy(self, entries: Sequence[Entry]) -> None:
+        with self._cond:
+            for e in entries:
+                self._busy[e.slot] = self._busy.get(e.slot, 0) + 1
+
+    def _unmark_busy(self, entries: Sequence[Entry]) -> None:
+        with self._cond:
+            for e in entries:
+                left = self._busy[e.slot] - 1
+                if left:
+                    self._busy[e.slot] = left
+                else:
+                    del self._busy[e.slot]
+            self._cond.notify_all()
+
+    def _unbusy(self, plan: Promotion) -> None:
+        """The plan's slots may be written again (once: read and abandon both call this)."""
+        if plan.busy:
+            plan.busy = False
+            self._unmark_busy(plan.taken)
+
+    def _restore(self, entries: Sequence[Entry]) -> None:
+        """Planned entries back in the index, each whose slot no demotion took meanwhile
+        (the others are gone: counted as evicted)."""
+        for entry in entries:
+            if not self.index.put_back(entry):
+                self._counts["evicted_blocks"] += 1
+
+    def _tombstone(self, entries: Sequence[Entry]) -> None:
+        """Promoted entries' slots, if still free, get a zeroed header (see `_free`)."""
+        for entry in entries:
+            if self.index.is_free(entry.slot):
+                self._enqueue(entry.slot, None)
 
     def _adopt(self, ns: Namespace, tokens: bytes, ids: Sequence[int], publish: Publish) -> int:
         """Promoted blocks `ids` (holding their KV) for the last len(ids) blocks of `tokens`
@@ -311,33 +411,9 @@ class DiskTier(NoTier):
         self._counts["hit_tokens"] += len(result.adopted) * self.block_size
         return len(result.adopted)
 
-    def _fetch(self, entry: Entry) -> bytes | memoryview | None:
-        """The entry's payload (os.preadv into a spare buffer), or None if the slot does not
-        verify."""
-        staging = entry.staging
-        if staging is not None:  # its write is still queued
-            return staging
-        try:
-            buf = self._spare.pop()  # reused: a fresh one costs its page faults on every read
-        except IndexError:
-            buf = bytearray(self.file.geometry.payload_bytes)
-        out = memoryview(buf)[:entry.meta.payload_len]
-        if not self.file.read_into(entry.slot, entry.meta, out):
-            self._spare.append(buf)
-            return None
-        return out
-
-    def _recycle(self, payloads: Sequence[bytes | memoryview]) -> None:
-        for data in payloads:
-            if isinstance(data, memoryview) and len(self._spare) < MAX_SPARE:
-                buf = data.obj
-                data.release()
-                assert isinstance(buf, bytearray)
-                self._spare.append(buf)
-
-    def _requeue(self, meta: SlotMeta, payload: bytes | memoryview) -> None:
+    def _requeue(self, meta: SlotMeta, payload: bytes) -> None:
         key = BlockKey(meta.namespace, meta.hash, meta.parent, meta.position, meta.tokens)
-        self._put(key, bytes(payload), meta.sink)
+        self._put(key, payload, meta.sink)
 
     # ---- the writer ---------------------------------------------------------------------------
 
@@ -349,7 +425,11 @@ class DiskTier(NoTier):
                 if not self._queue:
                     return
                 batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
+                self._writing = True
                 self._cond.notify_all()
+                slots = {slot for slot, _ in batch}
+                while any(slot in self._busy for slot in slots):  # a promotion reads one
+                    self._cond.wait()
             try:
                 jobs: list[tuple[int, bytes, bytes | memoryview] | int] = []
                 for slot, entry in batch:
@@ -369,12 +449,13 @@ class DiskTier(NoTier):
                 if entry is not None:
                     entry.staging = None
             with self._cond:
+                self._writing = False
                 self._cond.notify_all()
 
     def flush(self) -> None:
         """Wait until every queued write is done, then fsync."""
         with self._cond:
-            while self._queue and self._error is None:
+            while (self._queue or self._writing) and self._error is None:
                 self._cond.wait(1.0)
         self.file.sync()
 
@@ -407,6 +488,6 @@ class DiskTier(NoTier):
             self._stop = True
             self._cond.notify_all()
         self._writer.join()
-        self._readers.shutdown()
+        self._checkers.shutdown()
         self.file.sync()
         self.file.close()

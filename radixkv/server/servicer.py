@@ -103,7 +103,7 @@ def event_pb(ev: KVEvent, epoch: str) -> pb.Event:
         out.stored.CopyFrom(stored)
     elif ev.kind == "removed":
         out.removed.CopyFrom(pb.BlockRemoved(block_ids=ev.block_ids,
-                                             block_hashes=ev.block_hashes))
+                                             block_hashes=ev.block_hashes, tier=ev.tier))
     elif ev.kind == "window_stored":
         out.window_stored.CopyFrom(pb.WindowStored(
             block_ids=ev.block_ids, block_hashes=ev.block_hashes, window_ids=ev.window_ids))

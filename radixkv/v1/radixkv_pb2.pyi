@@ -461,12 +461,14 @@ class BlockStored(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ..., tokens: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_ids", "block_hashes")
+    __slots__ = ("block_ids", "block_hashes", "tier")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: str
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
