@@ -206,6 +206,31 @@ def test_warm_restart_serves_what_was_cached_with_a_new_epoch(workdir):
         stopped(server)
 
 
+def test_a_tier_file_of_the_earlier_format_is_reused_empty(workdir):
+    """A file written with CRC-32 payload checks (RKVDISK1): the server starts, says so, and
+    serves none of its blocks (their checks would not verify under the current format)."""
+    server = serve(workdir, 8, 64)
+    try:
+        with Client(server.socket) as kv:
+            for i in range(12):
+                put(kv, "ns", p(i))
+    finally:
+        stopped(server)
+    path = os.path.join(workdir, "disk", FILE_NAME)
+    with open(path, "r+b") as f:
+        f.write(b"RKVDISK1")  # the earlier magic (its header checksum is over bytes 12..)
+    server = serve(workdir, 8, 64)
+    try:
+        with Client(server.socket) as kv:
+            s = kv.stats(check_integrity=True)
+            assert s["disk"]["loaded_blocks"] == 0 and s["disk"]["blocks"] == 0
+            assert s["integrity"] == "ok"
+        assert read_in_other_process(server.socket, "ns", [p(i) for i in range(12)]) == [0] * 12
+    finally:
+        stopped(server)
+    assert "earlier slot format" in server.output()
+
+
 def _load(sock: str, stop: threading.Event, errors: list[BaseException], rng: random.Random,
           prompts: list[list[int]]) -> None:
     """Requests until `stop` (every hit's bytes checked); what fails before `stop` is kept."""

@@ -52,7 +52,7 @@ log = logging.getLogger("radixkv.disk")
 
 WRITE_BATCH = 64  # slots per writer pass
 MAX_PENDING = 1024  # queued demotions before a demotion waits for the writer
-CHECKERS = 2  # threads checking the CRCs of blocks read (crc32 releases the GIL)
+CHECKERS = 2  # threads checking the checksums of blocks read (xxhash releases the GIL)
 RUN_SLOTS = 4  # adjacent slots read by one os.preadv at most (4 MiB of 1 MiB blocks)
 
 
