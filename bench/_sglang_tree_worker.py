@@ -5,8 +5,9 @@ it, with the steps of radixkv.replay.simulate:
 
 1. match: `match_prefix(MatchParamsBinding(key))`, then `collect_full_device_indices(last
    device node, root)`: the matched prefix's KV indices, which radixkv's match returns too
-   (as block ids). `match_us` times both with the params' construction; `match_walk_us`
-   times `match_prefix` alone. `inc_lock_ref` on the matched node.
+   (as block ids). `match_us` times both with the params' construction; `match_call_us` the
+   params and `match_prefix` (what SGLang's adapter calls before it wraps the result, no ids);
+   `match_walk_us` `match_prefix` alone. `inc_lock_ref` on the matched node.
 2. need = full pages of the prompt - matched pages; short of free pages, the device eviction walk
    UnifiedRadixCache._evict_components runs (`evict_device_start`, `evict_device_next_node` /
    `evict_device_leaf` until the tracker reaches the request, `evict_device_end`); the freed
@@ -57,6 +58,7 @@ def replay(keys: list[np.ndarray], page: int, capacity: int, policy: str) -> dic
     clock = time.perf_counter_ns
     match_ns: list[int] = []
     walk_ns: list[int] = []
+    call_ns: list[int] = []
     insert_ns: list[int] = []
     busy = hits = prompt = evicted = dropped = peak = cached = 0
     for key in keys:
@@ -111,6 +113,7 @@ def replay(keys: list[np.ndarray], page: int, capacity: int, policy: str) -> dic
         busy += clock() - t0
         match_ns.append(t1 - t0)
         walk_ns.append(tb - ta)
+        call_ns.append(tb - t0)
         insert_ns.append(t3 - t2)
         dropped += need - take
         cached += take
@@ -122,7 +125,8 @@ def replay(keys: list[np.ndarray], page: int, capacity: int, policy: str) -> dic
             "token_hit_rate": hits / prompt if prompt else 0.0,
             "evicted_blocks": evicted, "dropped_blocks": dropped, "peak_cached_blocks": peak,
             "requests_per_s": len(keys) / wall if wall else 0.0, "tree_s": wall,
-            "match_us": stats(match_ns), "match_walk_us": stats(walk_ns),
+            "match_us": stats(match_ns), "match_call_us": stats(call_ns),
+            "match_walk_us": stats(walk_ns),
             "insert_us": stats(insert_ns)}
 
 
