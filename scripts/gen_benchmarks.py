@@ -216,7 +216,8 @@ def tree_sglang(r: dict[str, Any]) -> list[str]:
            "list, eviction walk, lock and insert), alternating, median of "
            f"{c['rounds']} rounds each; `bench/sglang_tree.py` says what each side times. "
            "radixkv's match returns the matched block ids; SGLang's `match_prefix` returns "
-           "lengths and a node, and `collect_full_device_indices` gives the ids (first row). "
+           "lengths and a node, and `collect_full_device_indices` gives the ids (first row: "
+           "the params, `match_prefix` and `collect_full_device_indices`). "
            "The second row is SGLang's match as its adapter calls it (the params' construction "
            "copies the key into the extension), the third the bare call on prebuilt params.", ""]
     out += table(["figure", "radixkv", "SGLang (Rust)", "radixkv / SGLang"], [
