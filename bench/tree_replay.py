@@ -5,6 +5,8 @@
     python bench/tree_replay.py --trace synthetic --requests 2000 --block-size 16
     python bench/tree_replay.py --trace T --block-size 512 --capacity-blocks C \
         --policy adaptive [--hints] --json
+    python bench/tree_replay.py --trace synthetic --block-size 16 --capacity-blocks 8192 \
+        --policy lru --sglang [--rounds 3] [--json]
     python bench/tree_replay.py --trace synthetic --eviction-sizes 1000,10000,100000
     python bench/tree_replay.py --scale [--scale-sizes 10000,100000,1000000,10000000] [--json]
 
@@ -14,6 +16,9 @@ evicted, requests/s and match / insert latency; then, in a separate pass under t
 the Python memory the tree uses per cached block (token bytes included, and shown apart).
 --against POLICY [--rounds N] also replays with POLICY, alternating the two N times in this
 process, and reports the median match / insert p50 of each and their ratio (policy / POLICY).
+--sglang also replays the workload through SGLang's compiled Rust radix tree (.venv-sglang),
+alternating with radixkv's for --rounds rounds, and prints both side by side (bench/sglang_tree.py
+says what is timed on each side).
 --hints sends each request's retention hint derived from the trace (radixkv.replay.hints:
 client-supplied knowledge, it reads the future).
 --eviction-sizes measures evict() cost per block at several tree sizes, in steady state
@@ -38,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
+from sglang_tree import against_sglang, print_table  # noqa: E402
 
 from radixkv.index.policies import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from radixkv.index.tree import RadixTree  # noqa: E402
@@ -244,7 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="retention hints derived from the trace (client-supplied knowledge)")
     p.add_argument("--against", choices=POLICIES, default=None,
                    help="also time this policy, interleaved: p50 ratios policy / this")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of each with --against (3)")
+    p.add_argument("--sglang", action="store_true",
+                   help="also replay through SGLang's Rust radix tree, side by side "
+                        "(needs .venv-sglang; policy lru or lfu)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of each with --against or --sglang (3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=200, help="requests replayed first, untimed")
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
@@ -255,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cached blocks at which --scale measures (default 10k,100k,1M,10M)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.sglang and args.hints:
+        p.error("--sglang replays without hints (SGLang's tree takes none)")
 
     out: dict[str, Any] = {
         "trace": args.trace,
@@ -306,16 +318,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.against:
         out["against"] = against(args, hints)
+    if args.sglang:
+        out["sglang"] = against_sglang(list(requests_of(args)), args.block_size,
+                                       args.capacity_blocks, args.policy, args.warmup, args.rounds)
+        if not out["sglang"]["available"]:
+            print(f"SGLang's tree: not compared: {out['sglang']['reason']}", file=sys.stderr)
     if not args.no_memory:
         out["memory"] = memory_per_block(args)
     if args.json:
         emit("tree_replay", out, True)
     else:
-        line = {k: v for k, v in out.items() if k != "memory"}
+        line = {k: v for k, v in out.items() if k not in ("memory", "sglang")}
         if "memory" in out:
             line["mem_per_block_B"] = out["memory"]["bytes_per_block"]
             line["overhead_per_block_B"] = out["memory"]["overhead_bytes_per_block"]
         emit("tree_replay", line, False)
+        if "sglang" in out:
+            print_table(out["sglang"])
     return 0
 
 

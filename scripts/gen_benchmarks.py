@@ -206,6 +206,37 @@ def tree_replay(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def tree_sglang(r: dict[str, Any]) -> list[str]:
+    c = r["sglang"]
+    a, b, q = c["radixkv"], c["sglang"], c["ratio"]
+    out = [f"The same replay (synthetic trace, {num(r['requests'])} requests, block size "
+           f"{r['block_size']}, {num(r['capacity_blocks'])} blocks, policy {c['policy']}) through "
+           f"radixkv's tree and SGLang {c['sglang_version']}'s compiled Rust radix tree "
+           "(`RustUnifiedTreeCoreBinding`, driven as its UnifiedRadixCache drives it: same free "
+           "list, eviction walk, lock and insert), alternating, median of "
+           f"{c['rounds']} rounds each; `bench/sglang_tree.py` says what each side times. "
+           "radixkv's match returns the matched block ids; SGLang's `match_prefix` returns "
+           "lengths and a node, and `collect_full_device_indices` gives the ids (first row: "
+           "the params, `match_prefix` and `collect_full_device_indices`). "
+           "The second row is SGLang's match as its adapter calls it (the params' construction "
+           "copies the key into the extension), the third the bare call on prebuilt params.", ""]
+    out += table(["figure", "radixkv", "SGLang (Rust)", "radixkv / SGLang"], [
+        ["match p50, returning the ids", f"{a['match_p50_us']:.2f} us",
+         f"{b['match_p50_us']:.2f} us", f"{q['match_p50']:.2f}"],
+        ["match p50, SGLang: params + `match_prefix`", "",
+         f"{b['match_call_p50_us']:.2f} us", f"{q['match_p50_over_call']:.2f}"],
+        ["match p50, SGLang: bare `match_prefix`", "",
+         f"{b['match_walk_p50_us']:.2f} us", f"{q['match_p50_over_walk']:.2f}"],
+        ["insert p50", f"{a['insert_p50_us']:.2f} us", f"{b['insert_p50_us']:.2f} us",
+         f"{q['insert_p50']:.2f}"],
+        ["requests / s", num(round(a["requests_per_s"])), num(round(b["requests_per_s"])),
+         f"{q['requests_per_s']:.2f}"],
+        ["token hit rate", pct(a["token_hit_rate"]), pct(b["token_hit_rate"]), ""]])
+    if "load_avg_1m" in c:
+        out += ["", f"Load average (1 min, 2 cores) at the end of the run: {c['load_avg_1m']:.1f}."]
+    return out
+
+
 def policy_gap(r: dict[str, Any]) -> list[str]:
     rows = r["rows"]
     policies = list(dict.fromkeys(row["policy"] for row in rows))
@@ -362,6 +393,7 @@ class Section:
 
 SECTIONS = (
     Section("tree_replay", "The radix tree: match and insert", tree_replay),
+    Section("tree_sglang", "The radix tree beside SGLang's Rust radix tree", tree_sglang),
     Section("policy_gap", "Eviction policies against the Belady optimum", policy_gap),
     Section("token_encoding", "Token ids on the wire", token_encoding),
     Section("rpc_latency", "The service over gRPC", rpc_latency),

@@ -57,6 +57,37 @@ def test_workload_to_tree_replay(tmp_path):
     assert report["requests"] == 40 and 0 < report["token_hit_rate"] < 1
 
 
+def test_tree_replay_beside_sglangs_rust_tree():
+    """--sglang replays the same requests through SGLang's Rust tree (.venv-sglang): both trees
+    evict under the same capacity and hit the same tokens (LRU picks the same victims up to
+    ties), and the figures come side by side."""
+    if not (BENCH.parent / ".venv-sglang" / "bin" / "python").exists():
+        pytest.fail(".venv-sglang is missing: run `bash scripts/bootstrap_sglang`")
+    report = json.loads(run(str(BENCH / "tree_replay.py"), "--requests", "120",
+                            "--capacity-blocks", "1024", "--policy", "lru", "--no-memory",
+                            "--warmup", "20", "--sglang", "--rounds", "1", "--json"))
+    r = report["sglang"]
+    assert r["available"] and r["rounds"] == 1, r
+    assert report["evicted_blocks"] > 0 and r["sglang"]["evicted_blocks"] > 0
+    assert abs(r["radixkv"]["token_hit_rate"] - r["sglang"]["token_hit_rate"]) < 0.01
+    assert r["radixkv"]["token_hit_rate"] == report["token_hit_rate"]
+    for k in ("match_p50", "match_p50_over_call", "match_p50_over_walk", "insert_p50",
+              "requests_per_s"):
+        assert r["ratio"][k] > 0
+
+
+def test_tree_replay_sglang_with_a_policy_it_lacks_says_why():
+    """A policy SGLang's tree lacks: the replay still reports, and says why nothing was
+    compared."""
+    out = subprocess.run([sys.executable, str(BENCH / "tree_replay.py"), "--requests", "20",
+                          "--policy", "adaptive", "--no-memory", "--sglang", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["requests"] == 20 and not report["sglang"]["available"]
+    assert "not compared" in out.stderr and "adaptive" in report["sglang"]["reason"]
+
+
 def test_tree_scale_reports_each_size():
     report = json.loads(run(str(BENCH / "tree_replay.py"), "--scale", "--scale-sizes",
                             "2000,6000", "--json"))

@@ -34,14 +34,6 @@ import torch.nn.functional as F
 NAME = "radixkv"
 
 
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[b, kv_heads, s, d] -> [b, kv_heads * groups, s, d] (GQA heads, for kernels without it)."""
-    if groups == 1:
-        return x
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
-
-
 def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of `query` [b, heads, q, d] over `key`/`value` [b, kv_heads, k, d] whose
@@ -66,16 +58,19 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(prefix)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                              enable_gqa=gqa)
-    else:
-        groups = query.shape[1] // key.shape[1]
-        key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    else:  # the CPU flash kernel takes GQA key/value heads as they are (no repeated copy)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         out1, lse1 = flash(query, key[:, :, :prefix], value[:, :, :prefix], scale=scale)
         out2, lse2 = flash(query, key[:, :, prefix:], value[:, :, prefix:], is_causal=True,
                            scale=scale)
-        top = torch.maximum(lse1, lse2)  # lse is fp32 whatever the inputs: merge in fp32
-        w1, w2 = (lse1 - top).exp_().unsqueeze(-1), (lse2 - top).exp_().unsqueeze(-1)
-        out = (out1 * w1 + out2 * w2).div_(w1 + w2).to(query.dtype)
+        # out = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2) = o2 + (o1 - o2) sigmoid(lse1 - lse2):
+        # one fused lerp over the output instead of five passes. lse is fp32 whatever the
+        # inputs: the merge runs in fp32.
+        w1 = torch.sigmoid(lse1 - lse2).unsqueeze_(-1)
+        if query.dtype == torch.float32:
+            out = torch.lerp(out2, out1, w1)
+        else:
+            out = torch.lerp(out2.float(), out1.float(), w1).to(query.dtype)
     return out
 
 

@@ -4,6 +4,7 @@ block ids an insert is given."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,7 @@ def check_tree(root: Node, block_bytes: int, held: bytearray, policy: EvictionPo
         fail(f"depth counts {counters.depth_counts} != recomputed {depth_counts}")
 
 
-def check_block_ids(given: list[int], num_blocks: int, key_bytes: int, block_size: int) -> int:
+def check_block_ids(given: Sequence[int], num_blocks: int, key_bytes: int, block_size: int) -> int:
     """InvalidArgument unless `given` holds one distinct id in [0, 2**32) per full block of a
     `key_bytes`-long token key; returns the largest (-1 for none)."""
     if len(given) != num_blocks:

@@ -4,11 +4,12 @@ its mutations queue, its counters and node snapshots. Frozen; no reference into 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from radixkv.types import InsertResult, NodeView
 
 __all__ = ["BlockRemoved", "BlockStored", "InsertResult", "MatchResult", "NodeView", "TreeEvent",
-           "TreeStats", "WindowRemoved", "WindowStored"]
+           "TreeStats", "WindowRemoved", "WindowStored", "new_match_result"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +17,23 @@ class MatchResult:
     num_tokens: int  # a multiple of block_size
     block_ids: tuple[int, ...]  # the blocks holding those tokens, in order
     handle: object  # opaque; pass to lock() before the next mutating call
+
+
+_new_object = object.__new__
+_slots: dict[str, Any] = dict(MatchResult.__dict__)
+_set_num_tokens, _set_block_ids, _set_handle = (
+    _slots[name].__set__ for name in ("num_tokens", "block_ids", "handle"))
+
+
+def new_match_result(num_tokens: int, block_ids: tuple[int, ...], handle: object) -> MatchResult:
+    """MatchResult(num_tokens, block_ids, handle), built through its slots' descriptors: the
+    same frozen object in half the time of the generated __init__ (three object.__setattr__
+    calls by name), which is a tenth of a whole match."""
+    result: MatchResult = _new_object(MatchResult)
+    _set_num_tokens(result, num_tokens)
+    _set_block_ids(result, block_ids)
+    _set_handle(result, handle)
+    return result
 
 
 @dataclass(frozen=True, slots=True)

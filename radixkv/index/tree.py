@@ -37,6 +37,7 @@ from radixkv.index.results import (
     NodeView,
     TreeEvent,
     TreeStats,
+    new_match_result,
 )
 from radixkv.tokens import TokensLike, block_bytes, to_token_bytes
 
@@ -107,8 +108,8 @@ class RadixTree:
         """Longest cached prefix of `tokens` in whole blocks. Read-only: changes no structure,
         order or counter. The handle may be locked only before the next mutating call."""
         node, num_blocks, block_ids = self._walk(to_token_bytes(tokens))
-        handle = Handle(self, node, num_blocks, self._version)
-        return MatchResult(len(block_ids) * self._block_size, tuple(block_ids), handle)
+        return new_match_result(len(block_ids) * self._block_size, block_ids,
+                                Handle(self, node, num_blocks, self._version))
 
     def stats(self) -> TreeStats:
         return TreeStats(self._num_nodes, self.num_cached_blocks, self._num_locked,
@@ -198,7 +199,7 @@ class RadixTree:
         cached at another position, or an unknown hint."""
         code = NO_HINT if hint is None else parse_hint(hint)
         key, bb = to_token_bytes(tokens), self._block_bytes
-        num_blocks, given = len(key) // bb, list(block_ids)
+        num_blocks, given = len(key) // bb, tuple(block_ids)
         top = check_block_ids(given, num_blocks, len(key), self._block_size)
         if not given:
             self._inserted = (self._root, self._version)
@@ -210,7 +211,7 @@ class RadixTree:
         duplicates = []
         if given[:m] != cached:
             duplicates = [g for g, c in zip(given, cached, strict=False) if g != c]
-        new = tuple(given[m:])
+        new = given[m:]
         for b in (*duplicates, *new) if duplicates else new:
             if held[b]:
                 i = next(i for i, g in enumerate(given) if held[g] and (i >= m or g != cached[i]))
@@ -364,18 +365,22 @@ class RadixTree:
         """evict() is about to drop node's blocks [keep:] (the node itself when keep is 0).
         A hook for trees whose blocks hold more than one part; nothing here."""
 
-    def _walk(self, key: bytes) -> tuple[Node, int, list[int]]:
+    def _walk(self, key: bytes) -> tuple[Node, int, tuple[int, ...]]:
         """Follow `key` in whole blocks: (deepest node reached, blocks of its edge matched,
-        matched block ids). The second is < the edge's blocks when the match ends inside it."""
+        matched block ids). The second is < the edge's blocks when the match ends inside it.
+        The ids are the edges' tuples joined as the walk goes (a match that ends on the first
+        edge hands out that edge's own tuple): paths are a few edges deep, and one C-level
+        concatenation per edge costs less than a list grown and copied into a tuple."""
         bb = self._block_bytes
         end, node, pos = len(key) - len(key) % bb, self._root, 0
-        ids: list[int] = []
+        starts = key.startswith
+        ids: tuple[int, ...] = ()
         while pos < end:
             child = node.children.get(key[pos : pos + bb])
             if child is None:
                 break
             edge = child.tokens
-            if key.startswith(edge, pos):  # whole edge (it cannot run into the partial tail)
+            if starts(edge, pos):  # whole edge (it cannot run into the partial tail)
                 ids += child.block_ids
                 pos += len(edge)
                 node = child
@@ -383,12 +388,11 @@ class RadixTree:
             lo, hi = 1, min(len(child.block_ids) - 1, (end - pos) // bb)  # block 0 matched
             while lo < hi:  # binary search for the longest matching run of blocks
                 mid = (lo + hi + 1) // 2
-                if key.startswith(edge[: mid * bb], pos):
+                if starts(edge[: mid * bb], pos):
                     lo = mid
                 else:
                     hi = mid - 1
-            ids += child.block_ids[:lo]
-            return child, lo, ids
+            return child, lo, ids + child.block_ids[:lo]
         return node, len(node.block_ids), ids
 
     def _split(self, node: Node, k: int) -> Node:
