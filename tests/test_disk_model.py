@@ -268,6 +268,15 @@ TestPoolAndDisk = PoolAndDisk.TestCase
 TestPoolAndDisk.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
 
 
+def store_prompt(svc: KVService, pool: Any, prompt: tuple[int, ...]) -> None:
+    """Cache `prompt`'s blocks in the pool, each holding kv_of its prefix."""
+    r = svc.allocate("e", None, NS, len(prompt))
+    for j, b in enumerate(r.block_ids):
+        pool.block_bytes(b)[:] = kv_of(prompt[:j + 1])
+    svc.insert("e", r.lease_id, NS, tokens_of(prompt), r.block_ids)
+    svc.release("e", [r.lease_id])
+
+
 def test_a_promotion_with_no_room_leaves_the_blocks_on_disk(tmp_path):
     """Every pool block leased: a Match whose prefix is on disk reserves nothing and misses it
     (the blocks stay on disk, no block is left reserved); once the lease ends the next Match
@@ -277,11 +286,7 @@ def test_a_promotion_with_no_room_leaves_the_blocks_on_disk(tmp_path):
     svc = KVService(pool, ServiceConfig(lease_ttl_s=60, policy="lru"), tier=tier)
     try:
         prompt = (1, 2, 0)
-        r = svc.allocate("e", None, NS, len(prompt))
-        for j, b in enumerate(r.block_ids):
-            pool.block_bytes(b)[:] = kv_of(prompt[:j + 1])
-        svc.insert("e", r.lease_id, NS, tokens_of(prompt), r.block_ids)
-        svc.release("e", [r.lease_id])
+        store_prompt(svc, pool, prompt)
         hog = svc.allocate("e", None, "other", POOL)  # evicts (demotes) the prompt, holds all
         assert svc.stats().disk.blocks == len(prompt)
         m = svc.match("e", NS, tokens_of(prompt))
@@ -310,11 +315,7 @@ def test_two_corrupt_slots_in_one_run_are_both_misses(tmp_path):
     svc = KVService(pool, ServiceConfig(lease_ttl_s=60, policy="lru"), tier=tier)
     try:
         prompt = (1, 2, 0)
-        r = svc.allocate("e", None, NS, len(prompt))
-        for j, b in enumerate(r.block_ids):
-            pool.block_bytes(b)[:] = kv_of(prompt[:j + 1])
-        svc.insert("e", r.lease_id, NS, tokens_of(prompt), r.block_ids)
-        svc.release("e", [r.lease_id])
+        store_prompt(svc, pool, prompt)
         hog = svc.allocate("e", None, "other", POOL)  # evicts (demotes) the prompt
         svc.release("e", [hog.lease_id])
         tier.flush()
