@@ -37,6 +37,16 @@ from radixkv.integrations.link import Down, Link
 from radixkv.integrations.vllm_scheduler import Load
 
 
+def release_after_copy(client: Client, lease_id: int) -> bool:
+    """End a load's lease once its blocks are copied: False when the pins had already ended
+    (the blocks may have been reused meanwhile, so the copy is not to be trusted)."""
+    try:
+        client.release(lease_id)
+    except (LeaseExpired, NotFound):
+        return False
+    return True
+
+
 def parse_cpus(setting: str, engine: set[int]) -> set[int] | None:
     """The loader's CPUs: "auto" (those the engine's thread is not bound to; None, i.e. the
     engine's, if it has them all), "engine" (None), or a list such as "1,3-4"."""
@@ -207,15 +217,8 @@ class LayerLoader:
                 job.failed.add(k)
 
     def _release_one(self, ld: Load) -> bool:
-        def run(client: Client) -> bool:
-            try:
-                client.release(ld.lease_id)
-            except (LeaseExpired, NotFound):
-                return False  # the pins ended before the copy did: blocks may be reused
-            return True
-
         try:
-            return self.link.call(run)
+            return self.link.call(lambda client: release_after_copy(client, ld.lease_id))
         except Down:
             return False
 

@@ -28,7 +28,7 @@ from radixkv.client import Client
 from radixkv.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
 from radixkv.integrations.layout import FlashPages, LayoutError, Pages, ProbedPages, check_layers
 from radixkv.integrations.link import Down, Link
-from radixkv.integrations.vllm_loader import LayerLoader
+from radixkv.integrations.vllm_loader import LayerLoader, release_after_copy
 from radixkv.integrations.vllm_scheduler import Load, Save, Stats
 
 _LAYER = re.compile(r"\.(\d+)\.")
@@ -165,11 +165,7 @@ class WorkerSide:
                 mapping = self._mapping(client, ld.epoch)
                 self.pages().from_pool(self.layers, ld.pages, mapping.view(), ld.blocks)
                 self._sync()
-                try:
-                    client.release(ld.lease_id)
-                except (LeaseExpired, NotFound):
-                    return False  # the pins ended before the copy did: blocks may be reused
-                return True
+                return release_after_copy(client, ld.lease_id)
 
             try:
                 ok = self.link.call(run)
