@@ -294,26 +294,6 @@ class Client:
                                 hints=codes if hint else ())
         return int(self._call("Release", req).num_freed)
 
-    def release_nowait(self, *lease_ids: int,
-                       on_error: Callable[[BaseException], None] | None = None) -> None:
-        """`release` without waiting for the answer: for a caller that already knows what the
-        answer would tell it (e.g. that its copy under the lease ended within the lease's
-        TTL). `on_error` gets the error `release` would have raised (on a gRPC thread)."""
-        req = pb.ReleaseRequest(client_id=self.client_id, lease_ids=lease_ids)
-        future = self._stub.Release.future(req, timeout=self.timeout, metadata=self._metadata)
-        if on_error is None:
-            return
-
-        def done(f: Any) -> None:
-            try:
-                f.result()
-            except grpc.RpcError as e:
-                on_error(to_error(e))
-            except Exception as e:  # noqa: BLE001 - cancelled: the channel closed first
-                on_error(e)
-
-        future.add_done_callback(done)
-
     def keep_alive(self, *lease_ids: int, ttl: float = 0.0) -> float:
         """Renew leases (for `ttl` seconds within the server's cap; 0: each lease's own TTL)
         without other work. Returns the shortest TTL granted."""

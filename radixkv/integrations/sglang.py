@@ -40,7 +40,8 @@ lease pins anything, eviction takes unpinned blocks only, and disk-tier promotio
 blocks. So on a host pool (a shared-memory file of the serving process, never reused) a copy
 that ended before (Match sent + TTL granted - `release_margin_s`, 0.1 s by default), with that
 process still alive after it, read pinned bytes: the get answers at once and its Release goes
-out unwaited (Client.release_nowait; a failure is counted, `release_failures`). Otherwise (a
+out unwaited (releaser.Releaser, one thread sending what is queued as one call; a failure is
+counted, `release_failures`). Otherwise (a
 CUDA pool, a copy past that time, a pool whose owner is gone or unknown) the Release is waited
 for and its answer decides, as before. Stale held leases, and those of exists and sets whose
 answer is already known, are released unwaited too.
@@ -67,6 +68,7 @@ from radixkv.errors import LeaseExpired, NotFound, PermissionDenied
 from radixkv.integrations.held import HeldLeases
 from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
+from radixkv.integrations.releaser import Releaser
 from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
 from radixkv.types import LeaseMatch
 from radixkv.validation import MIN_LEASE_TTL_S
@@ -96,6 +98,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         self._warned_prefix = False
         self.hold_s = float(extra.get("exists_hold_s", 5.0))  # within radixkv's TTL cap
         self.held = HeldLeases(self.hold_s)
+        self.releaser = Releaser(self._release_failed, "radixkv-sglang-release")
         # per batch since the last get_stats, as SGLang's storage metrics take them
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [],
@@ -327,6 +330,8 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         """Drop this namespace's pages from radixkv (refused there while any is in use; the
         leases this backend holds for prefetches are released first)."""
 
+        self.releaser.flush()  # the Clear is refused while any lease pins a block
+
         def run(client: Client) -> int:
             self._release_waited(client, self.held.drain())  # before the Clear, which
             return client.clear(self.namespace)  # is refused while they pin anything
@@ -347,12 +352,14 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
     def counters(self) -> dict[str, int]:
         """Pages asked, stored, loaded and failed, calls while radixkv was unusable, link
         failures: since start."""
-        return {**self.stats, "link_failures": self.link.failures}
+        return {**self.stats, "link_failures": self.link.failures,
+                "release_calls": self.releaser.sent}
 
     def close(self) -> None:
         ids = self.held.drain()
         if ids:
             self._call(lambda c: self._release_waited(c, ids), None)  # before closing
+        self.releaser.close()
         self.link.close()
 
     # ---- internals ---------------------------------------------------------------------------
@@ -402,7 +409,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         nothing to the new one). A failure is only counted: the TTL ends such a lease."""
         ids = [m.lease_id for m in leases if m.epoch == client.epoch]
         if ids:
-            client.release_nowait(*ids, on_error=self._release_failed)
+            self.releaser.release(client, ids)
 
     @staticmethod
     def _release_waited(client: Client, leases: list[LeaseMatch]) -> None:
@@ -414,8 +421,8 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             except (LeaseExpired, NotFound, PermissionDenied):
                 pass
 
-    def _release_failed(self, e: BaseException) -> None:
-        self.stats["release_failures"] += 1
+    def _release_failed(self, e: BaseException, leases: int) -> None:
+        self.stats["release_failures"] += leases
         log.info("radixkv: an unwaited release failed (%s: %s); its lease ends by its TTL",
                  type(e).__name__, e)
 
