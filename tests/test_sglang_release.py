@@ -78,14 +78,17 @@ def test_a_copy_past_the_lease_ttl_loads_nothing(workers: dict[str, Worker]) -> 
         a("write", name="late", tokens=one, seed=1)
         keys = a("keys", name="late", tokens=one)["keys"]
         assert b("exists", name="late", keys=keys)["exists"] == 3
-        b("slow_copy", seconds=2.5)
+        b("slow_copy", seconds=4.0)
         answer: dict[str, Any] = {}
         getter = threading.Thread(target=lambda: answer.update(b("get", name="late",
                                                                   keys=keys)))
         getter.start()
         try:
-            time.sleep(1.8)  # the lease expired at 1 s and was swept by 1.5 s
-            wrote = a("write", name="late", tokens=two, seed=2)
+            time.sleep(1.6)  # the lease expired at 1 s and was swept by 1.5 s
+            deadline = time.monotonic() + 10  # (later on a loaded machine)
+            while (wrote := a("write", name="late", tokens=two, seed=2))["stored"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
             assert wrote["stored"] == len(two)  # into the blocks B's copy reads
             getter.join(timeout=30)
         finally:
