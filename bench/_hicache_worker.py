@@ -7,7 +7,8 @@ prefetching batches of pages; prints one JSON object of per-batch times.
 With RADIXKV_BENCH_PROFILE=1 (radixkv only) the answer also has "profile": per kind of call
 (each RPC, the copies, the three backend methods), the calls per timed batch and their median
 milliseconds.
-BACKEND: radixkv or file (SGLang's own; SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR says where).
+BACKEND: radixkv, file (SGLang's own; SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR says where) or
+ceiling (no IPC at all: pages kept in this process, bench/_hicache_ceiling.py).
 Each round backs up BATCH fresh pages (write_storage -> the backend's set) and prefetches them
 (prefetch -> exists -> get); the first round warms up and is not counted. Also times a plain
 copy of the same bytes between two host tensors (memcpy)."""
@@ -70,6 +71,11 @@ def main() -> None:
     profiling = backend == "radixkv" and os.environ.get("RADIXKV_BENCH_PROFILE") == "1"
     if profiling:
         profile()
+    if backend == "ceiling":  # no IPC: pages in this process (bench/_hicache_ceiling.py)
+        extra = {"backend_name": "ceiling", "module_path": "_hicache_ceiling",
+                 "class_name": "CeilingStore", "interface_v1": 1,
+                 "blocks": n * (int(rounds) + 1) + 8}
+        name = "dynamic"
     if backend == "radixkv":
         extra = {"backend_name": "radixkv", "module_path": "radixkv.integrations.sglang",
                  "class_name": "RadixKVStore", "interface_v1": 1, "socket": socket,

@@ -20,6 +20,12 @@ batches, so each timed batch after the first reuses evicted blocks, as a full ca
 memcpy copies between two tensors of the batch's size with torch's default threads (as
 radixkv's copies run), its destination already written in the warm-up: it compares
 like-for-like with the warm figure.
+
+The ceiling (ceiling_pages_per_s, ceiling_vs_file_backend, ceiling_vs_memcpy; vs_ceiling and
+vs_ceiling_warm are radixkv's over it): a backend with no IPC at all, each page a copy in the
+worker's own memory (pre-touched), copied with the routine radixkv's backend uses
+(bench/_hicache_ceiling.py), driven through the same controller. No backend can pass it through
+SGLang's controller on this machine: it pays only the controller's work and the copies.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
         files.mkdir()
         fb = run_worker("file", geometry, batch, rounds, None,
                         {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(files)})
+        top = run_worker("ceiling", geometry, batch, rounds, None, {})
     page_bytes = rkv["page_bytes"]
     memcpy = batch / statistics.median(rkv["memcpy_s"])
     rows = []
@@ -89,6 +96,7 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
         mine = batch / statistics.median(rkv[f"{op}_s"])
         mine_warm = batch / statistics.median(warm[f"{op}_s"][1:])  # from the third batch
         theirs = batch / statistics.median(fb[f"{op}_s"])
+        ceiling = batch / statistics.median(top[f"{op}_s"])
         rows.append({"op": op, "page_bytes": page_bytes, "batch_pages": batch,
                      "radixkv_pages_per_s": round(mine, 1),
                      "file_backend_pages_per_s": round(theirs, 1),
@@ -98,6 +106,11 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
                      "radixkv_warm_pages_per_s": round(mine_warm, 1),
                      "vs_file_backend_warm": round(mine_warm / theirs, 2),
                      "vs_memcpy_warm": round(mine_warm / memcpy, 3),
+                     "ceiling_pages_per_s": round(ceiling, 1),
+                     "ceiling_vs_file_backend": round(ceiling / theirs, 2),
+                     "ceiling_vs_memcpy": round(ceiling / memcpy, 3),
+                     "vs_ceiling": round(mine / ceiling, 3),
+                     "vs_ceiling_warm": round(mine_warm / ceiling, 3),
                      "radixkv_gb_per_s": round(mine * page_bytes / 1e9, 3),
                      "file_backend_gb_per_s": round(theirs * page_bytes / 1e9, 3),
                      **({"profile_cold": rkv["profile"], "profile_warm": warm["profile"]}

@@ -6,6 +6,7 @@ as the storage backend, driven by JSON commands, one per stdin line, one JSON an
     {"op": "write", "name": "a", "tokens": [...], "seed": 1}   -> pages stored, page digests
     {"op": "prefetch", "name": "a", "tokens": [...]}           -> hit / loaded tokens, digests
     {"op": "exists" | "get" | "clear", ...}                    -> the backend called directly
+    {"op": "slow_copy", "seconds": 1.5}  -> each copy out of radixkv's pool sleeps first (0: off)
     {"op": "errors"}                       -> errors SGLang's threads logged since the last ask
 
 Every answer also reports whether an exception escaped (it must not)."""
@@ -18,6 +19,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _sglang_harness as h  # noqa: E402
 import torch  # noqa: E402
 
+PLAIN_COPY: list[Any] = []  # HostPages.copy, while slow_copy replaces it
 ERRORS: list[str] = []  # records at ERROR from SGLang's and radixkv's loggers, thread crashes
 
 
@@ -111,12 +114,30 @@ class Worker:
         cc = self.cc[name]
         slots = cc.mem_pool_host.alloc(len(keys) * cc.page_size)
         try:
+            start = time.monotonic()
             done = self.backend(name).batch_get_v1(keys, slots,
                                                    HiCacheStorageExtraInfo(prefix_keys=prefix))
+            seconds = time.monotonic() - start
             loaded = done.count(True)
-            return {"done": done, "pages": digests(cc, slots[:loaded * cc.page_size])}
+            return {"done": done, "pages": digests(cc, slots[:loaded * cc.page_size]),
+                    "seconds": seconds}
         finally:
             cc.mem_pool_host.free(slots)
+
+    def slow_copy(self, seconds: float) -> dict[str, Any]:
+        """A copy out of radixkv's pool that takes `seconds` longer (it sleeps, then copies: it
+        reads what the blocks hold by then); 0 restores the plain copy."""
+        from radixkv.integrations.layout import HostPages
+
+        def copy(pages: Any, kv: Any, slots: Any, view: Any, blocks: Any, to_pool: bool) -> None:
+            if not to_pool:
+                time.sleep(seconds)
+            PLAIN_COPY[0](pages, kv, slots, view, blocks, to_pool)
+
+        if not PLAIN_COPY:
+            PLAIN_COPY.append(HostPages.copy)
+        HostPages.copy = copy if seconds else PLAIN_COPY[0]  # type: ignore[method-assign]
+        return {}
 
     def clear(self, name: str) -> dict[str, Any]:
         self.backend(name).clear()

@@ -48,15 +48,16 @@ def test_every_kept_lease_comes_back_once(steps: list[tuple[str, object, int]]) 
             m = LeaseMatch(next_id, 0, (), "e")
             kept[next_id] = (path, skip, now[0])
             next_id += 1
-            stale = [s.lease_id for s in held.hold(path, skip, m, now[0])]
+            stale = [s.lease_id for s in held.hold(path, skip, m, now[0], HOLD_S)]
         else:
             taken, stale_m = held.take(path, skip)
             stale = [s.lease_id for s in stale_m]
             if taken is not None:
-                k_path, k_skip, at = kept.pop(taken.lease_id)
+                assert taken.at == kept[taken.match.lease_id][2] and taken.ttl == HOLD_S
+                k_path, k_skip, at = kept.pop(taken.match.lease_id)
                 assert k_skip == skip and k_path[:len(path)] == path
                 assert now[0] - at < HOLD_S / 2
-                returned.append(taken.lease_id)
+                returned.append(taken.match.lease_id)
         for lease_id in stale:
             assert lease_id in kept
             kept.pop(lease_id)

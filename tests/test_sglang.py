@@ -6,93 +6,27 @@ servers come and go per test, each on its own socket."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from _server import running_server, tiny_config_path
+from _sglang_workers import PAGE, Worker, leases_back_to, no_errors, start_workers, tokens
 
 from radixkv.client import Client
 from radixkv.server.launch import start_server
 
-REPO = Path(__file__).resolve().parents[1]
-SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
-PAGE = 4  # tokens per page: the tiny radixkv layout's block_size (tests/_server.py)
-
 pytestmark = pytest.mark.timeout(300)
-
-
-class Worker:
-    """A tests/_sglang_worker.py process: send a command, read its answer."""
-
-    def __init__(self, log: Path) -> None:
-        if not SGLANG_PYTHON.exists():
-            pytest.fail(f"{SGLANG_PYTHON} is missing: run `bash scripts/bootstrap_sglang` "
-                        "(`bash scripts/bootstrap` runs it)")
-        self.log = log
-        self.proc = subprocess.Popen(
-            [str(SGLANG_PYTHON), str(REPO / "tests" / "_sglang_worker.py")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),  # noqa: SIM115
-            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-        self.lock = threading.Lock()
-
-    def ready(self) -> None:
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        assert line, f"worker did not start:\n{self.log.read_text()[-3000:]}"
-
-    def __call__(self, op: str, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin and self.proc.stdout
-        with self.lock:
-            self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        assert line, f"worker died:\n{self.log.read_text()[-3000:]}"
-        answer: dict[str, Any] = json.loads(line)
-        assert "exception" not in answer, answer.get("trace")
-        return answer
-
-    def stop(self) -> None:
-        if self.proc.stdin and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # SGLang's storage threads may hold it: no state
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[dict[str, Worker]]:
-    """Two workers, importing SGLang side by side."""
-    with tempfile.TemporaryDirectory(prefix="rkv-sgl-") as d:
-        ws = {"A": Worker(Path(d) / "a.log"), "B": Worker(Path(d) / "b.log")}
-        try:
-            for w in ws.values():
-                w.ready()
-            yield ws
-        finally:
-            for w in ws.values():
-                if w.proc.stdin:
-                    w.proc.stdin.close()  # both start exiting at once
-            for w in ws.values():
-                w.stop()
-
-
-def tokens(start: int, pages: int) -> list[int]:
-    return list(range(start, start + pages * PAGE))
-
-
-def no_errors(*ws: Worker) -> None:
-    for w in ws:
-        assert w("errors")["errors"] == []
+    yield from start_workers()
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
@@ -108,11 +42,10 @@ def test_two_workers_share_a_prefix(workers: dict[str, Worker], layout: str) -> 
         got = b("prefetch", name=layout, tokens=longer)
         assert got["hit"] == got["loaded"] == len(shared)  # exactly A's pages
         assert got["pages"] == wrote["pages"]  # bytes equal to A's, in B's host slots
-        with Client(server.socket) as kv:
-            s = kv.stats(check_integrity=True)
-            assert s["integrity"] == "ok" and s["live_leases"] == 0
-            (n,) = s["namespaces"]
-            assert n["namespace"] == ns and n["key_size"] == 32 and n["cached_blocks"] == 5
+        s = leases_back_to(server.socket, 0)
+        assert s["integrity"] == "ok" and s["expired_leases"] == 0
+        (n,) = s["namespaces"]
+        assert n["namespace"] == ns and n["key_size"] == 32 and n["cached_blocks"] == 5
     no_errors(a, b)
 
 
@@ -156,9 +89,8 @@ def test_a_prefetch_gets_under_the_lease_of_its_exists(workers: dict[str, Worker
         got = b("get", name="held", keys=keys[2:5], prefix=keys[:2])
         assert got["done"] == [True] * 3 and got["pages"] == wrote["pages"][2:5]
         assert matches(server) == before + 1  # the get matched nothing itself
-        with Client(server.socket) as kv:
-            s = kv.stats(check_integrity=True)
-            assert s["integrity"] == "ok" and s["live_leases"] == 0
+        s = leases_back_to(server.socket, 0)
+        assert s["integrity"] == "ok" and s["expired_leases"] == 0
         got = b("prefetch", name="held", tokens=seq)  # through SGLang's controller
         assert got["loaded"] == len(seq) and got["pages"] == wrote["pages"]
         assert matches(server) == before + 2
@@ -185,12 +117,10 @@ def test_a_get_of_other_keys_matches_afresh(workers: dict[str, Worker]) -> None:
         assert got["done"] == [True] * 3 and got["pages"] == wrote["pages"]
         assert b("get", name="other", keys=k2[1:], prefix=k1[:1])["done"] == [False] * 2
         assert matches(server) == before + 2
-        with Client(server.socket) as kv:
-            assert kv.stats()["live_leases"] == 1  # the exists' lease, still held
+        leases_back_to(server.socket, 1)  # the exists' lease, still held
         time.sleep(0.6)  # past half its 1 s: dropped at the next call, released
         assert b("get", name="other", keys=k1)["done"] == [True] * 3
-        with Client(server.socket) as kv:
-            assert kv.stats()["live_leases"] == 0
+        leases_back_to(server.socket, 0)
         assert b("stats", name="other")["stats"]["get_held_leases"] == 0
     no_errors(a, b)
 

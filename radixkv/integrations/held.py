@@ -9,9 +9,9 @@ A held lease is taken by the first get whose key path (prefix + keys) is a prefi
 one's, with the same prefix, and is then released exactly once, by that get. The lease is asked
 for `hold_s` seconds; a get takes it only in the first half of that (so the copy has the other
 half), after which it is dropped here and released, and the get matches afresh. An exists whose
-get never comes (SGLang revoked the prefetch) holds its pins until then. The service may still
-end a lease early (a shorter TTL cap, a restart): the get's Release then fails, and so does the
-get (no page counts), never serving bytes that were not pinned.
+get never comes (SGLang revoked the prefetch) holds its pins until then. Each held lease keeps
+when its Match was sent and the TTL it asked for: the get knows from them until when the pins
+surely hold (radixkv.integrations.sglang).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Held:
     skip: int  # where the exists' keys start in `path`
     match: LeaseMatch
     at: float  # when the Match was sent (the lease's TTL runs from later)
+    ttl: float  # the TTL the Match asked for (and radixkv granted)
 
 
 class HeldLeases:
@@ -43,16 +44,16 @@ class HeldLeases:
         self._held: list[Held] = []
         self._lock = threading.Lock()
 
-    def hold(self, path: Sequence[bytes], skip: int, match: LeaseMatch,
-             at: float) -> list[LeaseMatch]:
-        """Keep `match` (the Match of `path` sent at `at`) for a get; returns the leases now to
-        release (stale or past the limit)."""
+    def hold(self, path: Sequence[bytes], skip: int, match: LeaseMatch, at: float,
+             ttl: float) -> list[LeaseMatch]:
+        """Keep `match` (the Match of `path` sent at `at`, for a lease of `ttl` s) for a get;
+        returns the leases now to release (stale or past the limit)."""
         with self._lock:
-            self._held.append(Held(tuple(path), skip, match, at))
+            self._held.append(Held(tuple(path), skip, match, at, ttl))
             return self._stale()
 
     def take(self, path: Sequence[bytes],
-             skip: int) -> tuple[LeaseMatch | None, list[LeaseMatch]]:
+             skip: int) -> tuple[Held | None, list[LeaseMatch]]:
         """The held lease covering `path` (the same prefix: `skip` keys), now the caller's to
         release, or None; and the leases now to release (stale)."""
         key = tuple(path)
@@ -64,7 +65,7 @@ class HeldLeases:
                 if (h.skip == skip and len(h.path) >= len(key) and h.path[skip] == key[skip]
                         and h.path[:len(key)] == key):
                     del self._held[i]
-                    return h.match, stale
+                    return h, stale
             return None, stale
 
     def drain(self) -> list[LeaseMatch]:

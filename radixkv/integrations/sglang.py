@@ -19,7 +19,8 @@ call's keys stand alone (a path from the root).
   `exists_hold_s` in the extra config, 0: released at once).
 - `batch_get_v1`: under the exists' lease (else a fresh Match), the cached run's blocks are
   copied from radixkv's mapped pool into SGLang's host pool slots, then the lease is released:
-  one Match and one Release per prefetched batch. A key past a gap is never loaded.
+  one Match and one Release per prefetched batch, the Release not waited for where the copy is
+  known to have run under the pins (below). A key past a gap is never loaded.
 - `batch_set_v1`: Match, which also allocates blocks for the uncached pages, copy the host pages
   into them, Insert (which ends the lease): two calls. Pages already cached are not copied
   again; no room (every block pinned) fails the uncached pages only.
@@ -32,11 +33,23 @@ radixkv's pool, naming both.
 
 Failures never leave here as exceptions and never as wrong bytes: a radixkv that is down or
 restarting (link.Link) makes batch_exists 0 and the get/set calls False (SGLang recomputes or
-skips the backup); a copy counts only if its lease is still valid when released afterwards.
+skips the backup); a copy counts only if its lease's pins held until the copy ended. A lease's
+pins end only by its Release (this backend's), by its TTL (radixkv's CLOCK_MONOTONIC, the one
+this process reads: the same machine), or with radixkv's process: a Clear is refused while a
+lease pins anything, eviction takes unpinned blocks only, and disk-tier promotions fill free
+blocks. So on a host pool (a shared-memory file of the serving process, never reused) a copy
+that ended before (Match sent + TTL granted - `release_margin_s`, 0.1 s by default), with that
+process still alive after it, read pinned bytes: the get answers at once and its Release goes
+out unwaited (releaser.Releaser, one thread sending what is queued as one call; a failure is
+counted, `release_failures`). Otherwise (a
+CUDA pool, a copy past that time, a pool whose owner is gone or unknown) the Release is waited
+for and its answer decides, as before. Stale held leases, and those of exists and sets whose
+answer is already known, are released unwaited too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -49,11 +62,13 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from gpu_pool.handle import pid_alive
 from radixkv.client import Client
 from radixkv.errors import LeaseExpired, NotFound, PermissionDenied
 from radixkv.integrations.held import HeldLeases
 from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
+from radixkv.integrations.releaser import Releaser
 from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
 from radixkv.types import LeaseMatch
 from radixkv.validation import MIN_LEASE_TTL_S
@@ -76,10 +91,14 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         self.stats = {"exists_calls": 0, "exists_hit_pages": 0, "get_pages": 0,
                       "get_failed_pages": 0, "set_pages": 0, "set_stored_pages": 0,
                       "set_failed_pages": 0, "unavailable": 0, "get_held_leases": 0,
-                      "get_leases_lost": 0}
+                      "get_leases_lost": 0, "get_releases_nowait": 0,
+                      "get_releases_waited": 0, "release_failures": 0}
+        self.margin_s = float(extra.get("release_margin_s", 0.1))
+        self._default_ttl: dict[str, float] = {}  # pool epoch -> the TTL a Match of 0 gets
         self._warned_prefix = False
         self.hold_s = float(extra.get("exists_hold_s", 5.0))  # within radixkv's TTL cap
         self.held = HeldLeases(self.hold_s)
+        self.releaser = Releaser(self._release_failed, "radixkv-sglang-release")
         # per batch since the last get_stats, as SGLang's storage metrics take them
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [],
@@ -126,8 +145,9 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         dtype, page = self.want[3], self.want[4]
         check_pool_layout(client, self.want, "SGLang's host KV pool", "page_size",
                           f"--dtype {dtype} --block-size {page} and this model's config")
+        info = client.pool_info()
+        self._default_ttl = {info.epoch: info.lease_ttl_s}
         if self.hold_s > 0:  # a TTL radixkv grants: within [min(1 s, its default), its cap]
-            info = client.pool_info()
             low = min(MIN_LEASE_TTL_S, info.lease_ttl_s)
             self.held.hold_s = min(max(self.hold_s, low), info.max_lease_ttl_s)
 
@@ -141,13 +161,14 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return 0
 
         def run(client: Client) -> int:
+            ttl = self.held.hold_s
             sent = time.monotonic()
-            m = self._match(client, path, ttl=self.held.hold_s)
+            m = self._match(client, path, ttl=ttl)
             hits = max(0, len(m.block_ids) - skip)
-            if hits and self.held.hold_s > 0:  # pinned for the get that follows
-                self._release(client, self.held.hold(path, skip, m, sent))
+            if hits and ttl > 0:  # pinned for the get that follows
+                self._release(client, self.held.hold(path, skip, m, sent, ttl))
             else:
-                client.release(m.lease_id)
+                self._release(client, [m])
             return hits
 
         hits = self._call(run, 0)
@@ -164,29 +185,43 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             return out
 
         def run(client: Client) -> int:
-            m, stale = self.held.take(path, skip)
+            held, stale = self.held.take(path, skip)
             self._release(client, stale)
-            if m is not None and m.epoch != client.epoch:
-                m = None  # radixkv restarted since the exists: that lease went with its pool
-            if m is None:
+            if held is not None and held.match.epoch != client.epoch:
+                held = None  # radixkv restarted since the exists: that lease went with its pool
+            if held is None:
+                sent = time.monotonic()
                 m = self._match(client, path)
+                ttl = self._default_ttl.get(m.epoch, 0.0)
             else:
+                m, sent, ttl = held.match, held.at, held.ttl
                 self.stats["get_held_leases"] += 1
+            blocks = m.block_ids[skip:len(path)]
             try:
-                blocks = m.block_ids[skip:len(path)]
                 mapping = client.pool_of(m.epoch)
                 slots = host_indices[:len(blocks) * self.mem_pool_host.page_size]
                 assert self.pages is not None
                 self.pages.copy(self.mem_pool_host.kv_buffer, self._starts(slots),
                                 mapping.view(), blocks, to_pool=False)
-            finally:
-                try:  # the pin held through the copy only if the lease is still valid now
+            except BaseException:
+                with contextlib.suppress(Exception):
                     client.release(m.lease_id)
-                except (LeaseExpired, NotFound, PermissionDenied) as e:
-                    self.stats["get_leases_lost"] += 1
-                    log.warning("radixkv: a prefetch's lease ended before its copy did (%s): "
-                                "its %d pages are not loaded", e, len(keys))
-                    blocks = ()
+                raise
+            if ttl > 0 and time.monotonic() < sent + ttl - self.margin_s \
+                    and _owner_alive(mapping):
+                # the copy ended within the lease's TTL, its pool's process alive after it:
+                # the pins held through it, whatever the Release answers
+                self.stats["get_releases_nowait"] += 1
+                self._release(client, [m])
+                return len(blocks)
+            self.stats["get_releases_waited"] += 1
+            try:  # the pins held through the copy only if the lease is still valid now
+                client.release(m.lease_id)
+            except (LeaseExpired, NotFound, PermissionDenied) as e:
+                self.stats["get_leases_lost"] += 1
+                log.warning("radixkv: a prefetch's lease ended before its copy did (%s): "
+                            "its %d pages are not loaded", e, len(keys))
+                return 0
             return len(blocks)
 
         start = time.perf_counter()
@@ -209,7 +244,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             if have < skip or m.alloc_error or not ids:
                 # the prefix is gone (nothing to hang these pages on), no room (the pages
                 # cached already count), or every page is cached
-                client.release(m.lease_id)
+                self._release(client, [m])
                 cached = max(0, have - skip)
                 return [True] * cached + [False] * (len(keys) - cached)
             page = self.mem_pool_host.page_size
@@ -295,9 +330,11 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         """Drop this namespace's pages from radixkv (refused there while any is in use; the
         leases this backend holds for prefetches are released first)."""
 
+        self.releaser.flush()  # the Clear is refused while any lease pins a block
+
         def run(client: Client) -> int:
-            self._release(client, self.held.drain())
-            return client.clear(self.namespace)
+            self._release_waited(client, self.held.drain())  # before the Clear, which
+            return client.clear(self.namespace)  # is refused while they pin anything
 
         self._call(run, 0)
 
@@ -315,12 +352,14 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
     def counters(self) -> dict[str, int]:
         """Pages asked, stored, loaded and failed, calls while radixkv was unusable, link
         failures: since start."""
-        return {**self.stats, "link_failures": self.link.failures}
+        return {**self.stats, "link_failures": self.link.failures,
+                "release_calls": self.releaser.sent}
 
     def close(self) -> None:
         ids = self.held.drain()
         if ids:
-            self._call(lambda c: self._release(c, ids), None)
+            self._call(lambda c: self._release_waited(c, ids), None)  # before closing
+        self.releaser.close()
         self.link.close()
 
     # ---- internals ---------------------------------------------------------------------------
@@ -364,16 +403,28 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             self.link.confirm_epoch(m.epoch)
         return m
 
+    def _release(self, client: Client, leases: list[LeaseMatch]) -> None:
+        """End leases whose Release answer changes nothing here, without waiting for it: those
+        of the pool radixkv serves now (the others ended with their pool, and their ids mean
+        nothing to the new one). A failure is only counted: the TTL ends such a lease."""
+        ids = [m.lease_id for m in leases if m.epoch == client.epoch]
+        if ids:
+            self.releaser.release(client, ids)
+
     @staticmethod
-    def _release(client: Client, leases: list[LeaseMatch]) -> None:
-        """End held leases no get will use, those of the pool radixkv serves now (the others
-        ended with their pool); one that already ended is fine."""
+    def _release_waited(client: Client, leases: list[LeaseMatch]) -> None:
+        """`_release`, waiting for the answer (one that already ended is fine)."""
         ids = [m.lease_id for m in leases if m.epoch == client.epoch]
         if ids:
             try:
                 client.release(*ids)
             except (LeaseExpired, NotFound, PermissionDenied):
                 pass
+
+    def _release_failed(self, e: BaseException, leases: int) -> None:
+        self.stats["release_failures"] += leases
+        log.info("radixkv: an unwaited release failed (%s: %s); its lease ends by its TTL",
+                 type(e).__name__, e)
 
     def _record(self, what: str, pages: int, seconds: float) -> None:
         if pages and self.pages is not None:
@@ -395,6 +446,15 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001 - never raise into SGLang's I/O threads
             log.error("radixkv: %s: %s", type(e).__name__, e)
             return failed
+
+
+def _owner_alive(mapping: Any) -> bool:
+    """Whether `mapping` is of a host pool whose owner (the serving process) is alive; False
+    for any other pool (CUDA: copies are asynchronous and the memory is the owner's)."""
+    if getattr(mapping, "backend", None) != "host":
+        return False
+    pid = getattr(mapping.handle, "owner_pid", 0)
+    return bool(pid) and pid_alive(pid)
 
 
 def _is_hex(key: Any) -> bool:
