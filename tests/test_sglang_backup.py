@@ -146,7 +146,7 @@ def test_an_insert_after_radixkv_died_stores_nothing(workers: dict[str, Worker])
 
 
 def test_reads_after_a_write_see_it(workers: dict[str, Worker]) -> None:
-    """Each Insert is slowed (1 s): right after A's write, A's prefetch finds every page (it
+    """Each Insert is slowed (2 s): right after A's write, A's prefetch finds every page (it
     waits for A's queued Insert), while B, another backend, does not yet; a backup longer than
     one SGLang batch (128 pages) extends the path of its first batch, whose Insert was still
     queued when the second batch matched."""
@@ -157,11 +157,11 @@ def test_reads_after_a_write_see_it(workers: dict[str, Worker]) -> None:
             a("open", name="ryw", socket=server.socket, geometry={"host_pages": 300})
             b("open", name="ryw", socket=server.socket, geometry={"host_pages": 300})
             seq = tokens(53_000, 3)
-            a("slow_insert", seconds=1.0)
+            a("slow_insert", seconds=2.0)
             try:
                 start = time.monotonic()
                 wrote = a("write", name="ryw", tokens=seq, seed=8)
-                assert wrote["stored"] == len(seq) and time.monotonic() - start < 1.0
+                assert wrote["stored"] == len(seq) and time.monotonic() - start < 2.0
                 assert b("prefetch", name="ryw", tokens=seq)["loaded"] == 0
                 got = a("prefetch", name="ryw", tokens=seq)
                 assert got["loaded"] == len(seq) and got["pages"] == wrote["pages"]
