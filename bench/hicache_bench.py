@@ -1,8 +1,9 @@
 """radixkv as SGLang's HiCache storage backend: pages per second through SGLang's own
 HiCacheController on CPU, backup (write_storage -> batch_set_v1) and prefetch (prefetch ->
-batch_exists -> batch_get_v1), in 64-page batches; against SGLang's file backend
-(--hicache-storage-backend file, on a temporary directory) through the same controller, and a
-plain memcpy of the same bytes, in the same run.
+batch_exists -> batch_get_v1) of the pages just backed up, in 64-page batches (radixkv's
+prefetch thus first waits for what is left of the backup's unwaited Insert); against SGLang's
+file backend (--hicache-storage-backend file, on a temporary directory) through the same
+controller, and a plain memcpy of the same bytes, in the same run.
 
     .venv/bin/python bench/hicache_bench.py --json      # ~3 min on 2 cores
 

@@ -6,7 +6,9 @@ as the storage backend, driven by JSON commands, one per stdin line, one JSON an
     {"op": "write", "name": "a", "tokens": [...], "seed": 1}   -> pages stored, page digests
     {"op": "prefetch", "name": "a", "tokens": [...]}           -> hit / loaded tokens, digests
     {"op": "exists" | "get" | "clear", ...}                    -> the backend called directly
-    {"op": "slow_copy", "seconds": 1.5}  -> each copy out of radixkv's pool sleeps first (0: off)
+    {"op": "slow_copy", "seconds": 1.5}  -> each copy out of radixkv's pool sleeps first (0: off;
+                                            "to_pool": true: each copy into it)
+    {"op": "slow_insert", "seconds": 1}  -> each Insert sleeps first (0: off)
     {"op": "errors"}                       -> errors SGLang's threads logged since the last ask
 
 Every answer also reports whether an exception escaped (it must not)."""
@@ -29,6 +31,7 @@ import _sglang_harness as h  # noqa: E402
 import torch  # noqa: E402
 
 PLAIN_COPY: list[Any] = []  # HostPages.copy, while slow_copy replaces it
+PLAIN_INSERT: list[Any] = []  # Client.insert_keys, while slow_insert replaces it
 ERRORS: list[str] = []  # records at ERROR from SGLang's and radixkv's loggers, thread crashes
 
 
@@ -124,19 +127,34 @@ class Worker:
         finally:
             cc.mem_pool_host.free(slots)
 
-    def slow_copy(self, seconds: float) -> dict[str, Any]:
-        """A copy out of radixkv's pool that takes `seconds` longer (it sleeps, then copies: it
-        reads what the blocks hold by then); 0 restores the plain copy."""
+    def slow_copy(self, seconds: float, to_pool: bool = False) -> dict[str, Any]:
+        """A copy out of radixkv's pool (into it: `to_pool`) that takes `seconds` longer (it
+        sleeps, then copies: it reads what the blocks hold by then); 0 restores the plain copy."""
         from radixkv.integrations.layout import HostPages
 
+        slow = to_pool
+
         def copy(pages: Any, kv: Any, slots: Any, view: Any, blocks: Any, to_pool: bool) -> None:
-            if not to_pool:
+            if to_pool == slow:
                 time.sleep(seconds)
             PLAIN_COPY[0](pages, kv, slots, view, blocks, to_pool)
 
         if not PLAIN_COPY:
             PLAIN_COPY.append(HostPages.copy)
         HostPages.copy = copy if seconds else PLAIN_COPY[0]  # type: ignore[method-assign]
+        return {}
+
+    def slow_insert(self, seconds: float) -> dict[str, Any]:
+        """Each Insert (radixkv.client.Client.insert_keys) sleeps `seconds` first; 0: off."""
+        from radixkv.client import Client
+
+        def insert_keys(client: Any, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(seconds)
+            return PLAIN_INSERT[0](client, *args, **kwargs)
+
+        if not PLAIN_INSERT:
+            PLAIN_INSERT.append(Client.insert_keys)
+        Client.insert_keys = insert_keys if seconds else PLAIN_INSERT[0]  # type: ignore
         return {}
 
     def clear(self, name: str) -> dict[str, Any]:

@@ -22,8 +22,24 @@ call's keys stand alone (a path from the root).
   one Match and one Release per prefetched batch, the Release not waited for where the copy is
   known to have run under the pins (below). A key past a gap is never loaded.
 - `batch_set_v1`: Match, which also allocates blocks for the uncached pages, copy the host pages
-  into them, Insert (which ends the lease): two calls. Pages already cached are not copied
-  again; no room (every block pinned) fails the uncached pages only.
+  into them, answer, and the Insert (which ends the lease) goes out unwaited after the copy
+  (releaser.Releaser): one waited call. Pages already cached are not copied again; no room
+  (every block pinned) fails the uncached pages only.
+
+Why a set may answer True before its Insert is confirmed: SGLang (0.5.23, cache_controller's
+_page_backup and unified_radix_cache's _drain_backup) uses a True only to go on to the call's
+next batch, to drop its host lock on the node (its host slots may then be freed and reused,
+which is safe: the copy out of them has ended, and on a CUDA pool it is synchronized first) and
+to count backed-up tokens. It never takes a True as a promise that a later batch_exists or get
+will find the pages: those ask radixkv, which may evict any unpinned block at any moment. An
+Insert that fails after the answer (its lease expired, radixkv restarted, died or refused it)
+is thus, for SGLang, an eviction right after a successful Insert: the pages are not found and
+are recomputed. No wrong bytes can be served: blocks become matchable only through the Insert,
+which is sent after the copy ended, and radixkv refuses the Insert of a lease that ended (a
+copy that outlived its lease inserts nothing). A failure is counted (`set_insert_failed_pages`)
+and logged once per kind. Within one backend, reads see its writes: batch_exists, the gets,
+clear, close and counters first wait for the Inserts queued so far (no wait when none is), and
+a set whose prefix is not found while Inserts are queued waits for them and matches again.
 
 Copies go between SGLang's host pool (`page_first` or `page_first_direct`) and radixkv's
 canonical [layers, 2, block, heads, dim] blocks (layout.HostPages). The namespace names the
@@ -92,7 +108,9 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                       "get_failed_pages": 0, "set_pages": 0, "set_stored_pages": 0,
                       "set_failed_pages": 0, "unavailable": 0, "get_held_leases": 0,
                       "get_leases_lost": 0, "get_releases_nowait": 0,
-                      "get_releases_waited": 0, "release_failures": 0}
+                      "get_releases_waited": 0, "release_failures": 0,
+                      "set_insert_failed_pages": 0}
+        self._insert_errors_logged: set[str] = set()
         self.margin_s = float(extra.get("release_margin_s", 0.1))
         self._default_ttl: dict[str, float] = {}  # pool epoch -> the TTL a Match of 0 gets
         self._warned_prefix = False
@@ -156,6 +174,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many of `keys`, from the first, radixkv holds (0 while it is down)."""
         self.stats["exists_calls"] += 1
+        self.releaser.wait_inserts()  # read this backend's writes
         path, skip = self._path(keys, extra_info)
         if path is None:
             return 0
@@ -179,6 +198,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                      extra_info: Any = None) -> list[bool]:
         """Load the leading run of `keys` into the host slots (page_size per key)."""
         self.stats["get_pages"] += len(keys)
+        self.releaser.wait_inserts()
         path, skip = self._path(keys, extra_info)
         out = [False] * len(keys)
         if path is None or self.pages is None:
@@ -240,6 +260,11 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
 
         def run(client: Client) -> list[bool]:
             m = self._match(client, path, store=True)
+            if len(m.block_ids) < skip and self.releaser.inserting:
+                # the prefix may be in an Insert still queued (the batch before this one)
+                self._release(client, [m])
+                self.releaser.wait_inserts()
+                m = self._match(client, path, store=True)
             have, ids = len(m.block_ids), m.new_block_ids
             if have < skip or m.alloc_error or not ids:
                 # the prefix is gone (nothing to hang these pages on), no room (the pages
@@ -250,11 +275,12 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             page = self.mem_pool_host.page_size
             slots = host_indices[(have - skip) * page:len(keys) * page]
             assert self.pages is not None
-            self.pages.copy(self.mem_pool_host.kv_buffer, self._starts(slots),
-                            client.pool_of(m.epoch).view(), ids, to_pool=True)
-            client.insert_keys(self.namespace, path, m.block_ids + ids, m.lease_id,
-                               epoch=m.epoch, release=True)
-            self.stats["set_stored_pages"] += len(ids)
+            view = client.pool_of(m.epoch).view()
+            self.pages.copy(self.mem_pool_host.kv_buffer, self._starts(slots), view, ids,
+                            to_pool=True)
+            if view.is_cuda:  # the host slots are SGLang's again once we answer
+                torch.cuda.synchronize(view.device)
+            self._insert(client, path, m, m.block_ids + ids, len(ids))
             return [True] * len(keys)
 
         start = time.perf_counter()
@@ -276,6 +302,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         """Pages as flat tensors of SGLang's dummy page shape [2, layers, page, heads, dim]
         (into `target_locations` where given); None from the first miss on."""
+        self.releaser.wait_inserts()
         path, _ = self._path(keys, None)
         out: list[torch.Tensor | None] = [None] * len(keys)
         if path is None:
@@ -351,11 +378,13 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
 
     def counters(self) -> dict[str, int]:
         """Pages asked, stored, loaded and failed, calls while radixkv was unusable, link
-        failures: since start."""
+        failures: since start (after the queued Inserts were answered)."""
+        self.releaser.wait_inserts()  # so that the set counters are those of its answers
         return {**self.stats, "link_failures": self.link.failures,
-                "release_calls": self.releaser.sent}
+                "release_calls": self.releaser.sent, "insert_calls": self.releaser.inserts}
 
     def close(self) -> None:
+        self.releaser.wait_inserts()
         ids = self.held.drain()
         if ids:
             self._call(lambda c: self._release_waited(c, ids), None)  # before closing
@@ -420,6 +449,29 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                 client.release(*ids)
             except (LeaseExpired, NotFound, PermissionDenied):
                 pass
+
+    def _insert(self, client: Client, path: list[bytes], m: LeaseMatch, blocks: Sequence[int],
+                pages: int) -> None:
+        """Queue the Insert (ending `m`) of `pages` pages copied into their blocks; the set has
+        answered True already. A failure (the lease expired, radixkv restarted or refused) is
+        counted and logged once per kind: those pages are then simply not cached, as if evicted
+        right after an Insert, and nothing was made matchable."""
+
+        def send() -> None:
+            client.insert_keys(self.namespace, path, blocks, m.lease_id, epoch=m.epoch,
+                               release=True)
+            self.stats["set_stored_pages"] += pages
+
+        def failed(e: BaseException) -> None:
+            self.stats["set_insert_failed_pages"] += pages
+            kind = type(e).__name__
+            if kind not in self._insert_errors_logged:
+                self._insert_errors_logged.add(kind)
+                log.warning("radixkv: an unwaited Insert of backed-up pages failed (%s: %s); "
+                            "those pages are not cached (logged once per kind of failure)",
+                            kind, e)
+
+        self.releaser.insert(send, failed)
 
     def _release_failed(self, e: BaseException, leases: int) -> None:
         self.stats["release_failures"] += leases
