@@ -176,14 +176,14 @@ class ProbedPages:
         """The copy through pages_kernel (all layers and pages in one call); False when it is
         off, unavailable, or the page interior or the tensors are not what it covers."""
         kv0 = layers[0]
-        page = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        b, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        page = (2 * b * h * d, b * 2 * d, 2 * d, 1)  # [pages, heads, block, 2 * dim] strides
         if (not self.kernel or self.strided is None or kv0.device.type != "cpu"
                 or pool_view.device != kv0.device or pool_view.dtype != kv0.dtype
                 or pool_view.dim() != 6 or pool_view.shape[1] != len(layers)
-                or not pool_view.shape[0] or not pool_view[0, 0].is_contiguous()):
+                or pool_view.stride()[2:] != (b * h * d, h * d, d, 1)):
             return False
-        if any(kv.dtype != kv0.dtype or kv.dim() != 4 or not kv.shape[0]
-               or kv.stride(0) != page or not kv[0].is_contiguous() for kv in layers):
+        if any(kv.dtype != kv0.dtype or kv.stride() != page for kv in layers):
             return False
         return pages_kernel.copy(layers, _ids(pages, kv0.device), pool_view,
                                  _ids(blocks, kv0.device), self.strided, to_pool)

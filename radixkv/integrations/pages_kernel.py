@@ -15,14 +15,12 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_pool import jit
 
 if TYPE_CHECKING:
     import torch
-
-    from radixkv.integrations.layout import Strided
 
 log = logging.getLogger("radixkv.integrations.pages_kernel")
 
@@ -33,6 +31,20 @@ OPS = ("copy_pages",)
 
 KERNEL = jit.Kernel(NAME, SOURCE, CFLAGS, [], OPS, "pages", "paged-KV copy kernel",
                     "the torch-op copies", "about 30 s", log)
+
+
+class Strided(Protocol):
+    """One half (K or V) of a page as a strided view of its canonical elements (layout.py's
+    `Strided`): offset, then sizes and strides over the canonical digits."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def sizes(self) -> tuple[int, ...]: ...
+
+    @property
+    def strides(self) -> tuple[int, ...]: ...
 
 
 def ops() -> Any | None:
