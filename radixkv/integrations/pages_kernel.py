@@ -30,7 +30,7 @@ CFLAGS = ["-O3", "-march=native", "-fno-strict-aliasing"]
 OPS = ("copy_pages",)
 
 KERNEL = jit.Kernel(NAME, SOURCE, CFLAGS, [], OPS, "pages", "paged-KV copy kernel",
-                    "the torch-op copies", "about 30 s", log)
+                    "the torch-op copies", "10-20 s", log)
 
 
 class Strided(Protocol):
