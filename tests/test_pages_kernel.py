@@ -213,3 +213,19 @@ def test_disabled_or_unbuildable_the_torch_copies_serve(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "paged-KV copy kernel unavailable (p.cpp:3:10: fatal error: torch/library.h: No such "
         "file); using the torch-op copies"]
+
+
+def test_a_plan_reaching_outside_a_page_or_block_is_refused():
+    """The kernel checks the plan against the tensors it is given (it is memory-safe whatever
+    the caller passes): a loop past the page, a negative offset, a plan cut short."""
+    ops = pages_kernel.ops()
+    kv = torch.zeros(2, 1, 16, 32, dtype=torch.float16)
+    pool = torch.zeros(2, 1, 2, 16, 1, 16, dtype=torch.float16)
+    ids = torch.tensor([0, 1])
+    fine = [16, 0, 0, 1, 16, 16, 16] + [16, 256, 256, 1, 16, 16, 16]  # plain [2 * block, dim]
+    ops.copy_pages([kv], pool, ids, ids, fine, False)
+    for bad, match in (([16, 0, 0, 1, 33, 16, 16] + fine[7:], "beyond a page or a block"),
+                       ([16, -16, 0, 1, 16, 16, 16] + fine[7:], "offsets -32"),
+                       (fine[:9], "the plan ends early")):
+        with pytest.raises(RuntimeError, match=match):
+            ops.copy_pages([kv], pool, ids, ids, bad, False)

@@ -199,7 +199,9 @@ std::vector<Half> decode(c10::IntArrayRef plan, int64_t elem, bool to_pool) {
     h.page_off = next() * elem;
     h.canon_off = next() * elem;
     int64_t n = next();
-    TORCH_CHECK(n >= 0 && n <= 32, "copy_pages: ", n, " loops");
+    TORCH_CHECK(h.unit > 0 && h.page_off >= 0 && h.canon_off >= 0 && n >= 0 && n <= 32,
+                "copy_pages: a unit of ", h.unit, " bytes, offsets ", h.page_off, " and ",
+                h.canon_off, ", ", n, " loops");
     for (int64_t i = 0; i < n; ++i) {
       int64_t size = next(), page = next() * elem, canon = next() * elem;
       h.loops.push_back(to_pool ? Loop{size, canon, page} : Loop{size, page, canon});
