@@ -189,8 +189,8 @@ def test_a_kernel_that_cannot_build_falls_back_and_says_why_once(monkeypatch, ca
                            "q.cpp:10:10: fatal error: ATen/Parallel.h: No such file\n"
                            "ninja: build stopped: subcommand failed.")
 
-    monkeypatch.setattr(quant_kernel, "_loaded", [])
-    monkeypatch.setattr(quant_kernel, "_build_and_load", broken)
+    monkeypatch.setattr(quant_kernel.KERNEL, "_loaded", [])
+    monkeypatch.setattr(quant_kernel.KERNEL, "_build_and_load", broken)
     lay = make_layout("int4", sink_tokens=0)
     k, v = make_kv(lay, 2, seed=4, dtype=torch.float32)
     with caplog.at_level(logging.WARNING, logger="gpu_pool.quant_kernel"):

@@ -118,15 +118,20 @@ SYSTEM = prompt(1, 4 * BLOCK)  # a long shared system prompt: 4 blocks
 
 
 def test_layout_probe_matches_vllm_cache_write() -> None:
-    """vLLM's CPU cache write (its real kernel, fp32 and bf16) lands token-major in radixkv's
-    canonical block layout after ProbedPages.to_pool, and from_pool round-trips bit-exact."""
+    """vLLM's CPU cache write (its real kernel: AMX bf16, fp16 and fp32 here) lands token-major
+    in radixkv's canonical block layout after ProbedPages.to_pool, and every copy path (the
+    native kernel, vLLM's cache write, strided views, the index gather and scatter) is bit-exact
+    both ways, with random page and block ids."""
     code = r"""
 from dataclasses import replace
 import torch
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 from vllm import _custom_ops as ops
+from radixkv.integrations import pages_kernel
 from radixkv.integrations.layout import ProbedPages
-for dt in (torch.bfloat16, torch.float32):
+assert pages_kernel.ops() is not None, "the paged-KV copy kernel did not build"
+g = torch.Generator().manual_seed(0)
+for dt in (torch.bfloat16, torch.float16, torch.float32):
     H, B, D = 3, 128, 64
     isa = _get_attn_isa(dt, B, D)
     def write(k, v, page, slots):
@@ -134,31 +139,45 @@ for dt in (torch.bfloat16, torch.float32):
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
                                        kv_cache_dtype="auto")
     pages = ProbedPages.probe(write, H, B, D, dt)
-    cache = [torch.zeros(5, H, B, 2 * D, dtype=dt) for _ in range(2)]
+    assert pages.strided is not None  # vLLM's pages are strided views of canonical blocks
+    store = torch.zeros(2, 5, H, B, 2 * D, dtype=dt)  # vLLM: the layers in one storage
+    cache = list(store.unbind(0))
     key, val = torch.randn(2, 3 * B, H, D).to(dt), torch.randn(2, 3 * B, H, D).to(dt)
-    slots = torch.cat([torch.arange(B) + p * B for p in (4, 1, 2)])
+    at = torch.randperm(5, generator=g)[:3].tolist()
+    blocks = torch.randperm(6, generator=g)[:3].tolist()
+    slots = torch.cat([torch.arange(B) + p * B for p in at])
     for l in range(2):
         write(key[l], val[l], cache[l], slots)
-    pool = torch.zeros(6, 2, 2, B, H, D, dtype=dt)
-    pages.to_pool(cache, [4, 1, 2], pool, [5, 0, 3])
     k, v = key.view(2, 3, B, H, D), val.view(2, 3, B, H, D)
-    for j, blk in enumerate([5, 0, 3]):
-        assert torch.equal(pool[blk, :, 0], k[:, j]) and torch.equal(pool[blk, :, 1], v[:, j])
-    assert pages.strided is not None  # vLLM's pages are strided views of canonical blocks
-    # loads: the cache write (the default), strided views, the gather: all bit-exact
-    for way in (pages, replace(pages, write=None), replace(pages, write=None, strided=None)):
+    # saves: the kernel (checked taken), strided views, the index gather
+    kernel = torch.zeros(6, 2, 2, B, H, D, dtype=dt)
+    assert pages._copy_kernel(cache, at, kernel, blocks, to_pool=True)
+    for way in (pages, replace(pages, kernel=False), replace(pages, kernel=False, strided=None)):
+        pool = torch.zeros(6, 2, 2, B, H, D, dtype=dt)
+        way.to_pool(cache, at, pool, blocks)
+        for j, blk in enumerate(blocks):
+            assert torch.equal(pool[blk, :, 0], k[:, j]) and torch.equal(pool[blk, :, 1], v[:, j])
+        assert torch.equal(pool.view(torch.uint8), kernel.view(torch.uint8))
+    # loads: the kernel, one layer at a time as the loader calls it, vLLM's cache write,
+    # strided views, the index scatter
+    back = [torch.zeros_like(c) for c in cache]
+    assert pages._copy_kernel(back, at, pool, blocks, to_pool=False)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cache, back))
+    for l in range(2):
+        back = torch.zeros_like(cache[l])
+        pages.from_pool([back], at, pool[:, l:l + 1], blocks)
+        assert torch.equal(back.view(torch.uint8), cache[l].view(torch.uint8))
+    for way in (replace(pages, kernel=False), replace(pages, kernel=False, write=None),
+                replace(pages, kernel=False, write=None, strided=None)):
         back = [torch.zeros_like(c) for c in cache]
-        way.from_pool(back, [4, 1, 2], pool, [5, 0, 3])
+        way.from_pool(back, at, pool, blocks)
         assert all(torch.equal(a, b) for a, b in zip(cache, back))
-    again = torch.zeros_like(pool)
-    replace(pages, strided=None).to_pool(cache, [4, 1, 2], again, [5, 0, 3])
-    assert torch.equal(again, pool)
     print(dt, isa, "ok")
 """
     out = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True,
                          cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count(" ok") == 2, out.stdout
+    assert out.stdout.count(" ok") == 3, out.stdout
 
 
 def test_radixkv_absent_at_start_is_a_logged_fallback(world: World) -> None:

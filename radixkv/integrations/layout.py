@@ -12,7 +12,9 @@ layer, cut into pages of block_size tokens, with their own page interior:
   assumed: `probe` writes known K/V through the engine's own cache-update op into a scratch page
   and reads back where every (K|V, token, head, dim) element landed. The result is one index per
   canonical element, and where it is one, a strided view of the page per K and V half; copies
-  are bit-exact in any dtype (loads go through the engine's own cache write).
+  are bit-exact in any dtype. Strided pages are copied by a native kernel (pages_kernel.py: one
+  GIL-free call per copy, about memcpy's cost) where it is built; else loads go through the
+  engine's own cache write and saves through strided views.
 
 Copies take block ids on both sides (engine pages and pool blocks, equal block sizes) and run on
 the tensors' device; on CUDA they are queued on the current stream (synchronize before telling
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from radixkv.integrations import pages_kernel
 
 # (K, V, scratch page, slot mapping) -> None: the engine's own cache write for one layer
 CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -74,9 +78,10 @@ class ProbedPages:
     `index`: index[c] is the position, in the page's flat kv_heads*block_size*2*head_dim
     elements, of canonical element c of [2, block_size, kv_heads, head_dim].
 
-    Copies take the fastest path that applies: into engine pages through `write` (the engine's
-    cache write kept from the probe); as strided views when K and V are each an affine
-    function of their canonical position (`strided`: vLLM's AMX and AVX-512 pages are);
+    Copies take the fastest path that applies: when K and V are each an affine function of
+    their canonical position (`strided`: vLLM's AMX and AVX-512 pages are), the native kernel
+    (pages_kernel.py; `kernel=False` or RADIXKV_NO_KERNEL=1 skips it); into engine pages
+    through `write` (the engine's cache write kept from the probe); as strided views;
     otherwise one gather or scatter per layer through `index`."""
 
     index: torch.Tensor  # int64 [2 * block_size * kv_heads * head_dim]
@@ -85,6 +90,7 @@ class ProbedPages:
     head_dim: int
     strided: tuple[Strided, Strided] | None = None  # K and V as strided views, if they are
     write: CacheWrite | None = field(default=None, compare=False, repr=False)
+    kernel: bool = field(default=True, compare=False)  # try pages_kernel first
 
     @classmethod
     def probe(cls, write: CacheWrite, num_kv_heads: int, block_size: int, head_dim: int,
@@ -133,6 +139,8 @@ class ProbedPages:
         """Copy engine pages `pages` into pool blocks `blocks` (same order)."""
         if not pages:
             return
+        if self._copy_kernel(layers, pages, pool_view, blocks, to_pool=True):
+            return
         if self._copy_strided(layers, pages, pool_view, blocks, to_pool=True):
             return
         n = len(pages)
@@ -149,6 +157,8 @@ class ProbedPages:
         """Copy pool blocks `blocks` into engine pages `pages` (same order)."""
         if not pages:
             return
+        if self._copy_kernel(layers, pages, pool_view, blocks, to_pool=False):
+            return
         if self._write_pages(layers, pages, pool_view, blocks):
             return
         if self._copy_strided(layers, pages, pool_view, blocks, to_pool=False):
@@ -160,6 +170,23 @@ class ProbedPages:
         for i, kv in enumerate(layers):
             flat = self._flat(kv)
             flat[p[:, None], index[None, :]] = pool_view[b, i].reshape(n, -1).to(kv.device)
+
+    def _copy_kernel(self, layers: Sequence[torch.Tensor], pages: Sequence[int],
+                     pool_view: torch.Tensor, blocks: Sequence[int], to_pool: bool) -> bool:
+        """The copy through pages_kernel (all layers and pages in one call); False when it is
+        off, unavailable, or the page interior or the tensors are not what it covers."""
+        kv0 = layers[0]
+        b, h, d = self.block_size, self.num_kv_heads, self.head_dim
+        page = (2 * b * h * d, b * 2 * d, 2 * d, 1)  # [pages, heads, block, 2 * dim] strides
+        if (not self.kernel or self.strided is None or kv0.device.type != "cpu"
+                or pool_view.device != kv0.device or pool_view.dtype != kv0.dtype
+                or pool_view.dim() != 6 or pool_view.shape[1] != len(layers)
+                or pool_view.stride()[2:] != (b * h * d, h * d, d, 1)):
+            return False
+        if any(kv.dtype != kv0.dtype or kv.stride() != page for kv in layers):
+            return False
+        return pages_kernel.copy(layers, _ids(pages, kv0.device), pool_view,
+                                 _ids(blocks, kv0.device), self.strided, to_pool)
 
     def _write_pages(self, layers: Sequence[torch.Tensor], pages: Sequence[int],
                      pool_view: torch.Tensor, blocks: Sequence[int]) -> bool:

@@ -12,11 +12,13 @@ step's saves and its report of failed blocks) waits for the thread.
 
 The thread runs on the CPUs the engine's own thread is not bound to (`cpus="auto"`: vLLM's CPU
 worker binds its threads with VLLM_CPU_OMP_THREADS_BIND), so that the copy runs beside the
-forward rather than taking turns with it; where the engine has every CPU it shares them. OpenMP
-moves the thread onto the engine's first CPU when it first runs vLLM's (parallel) cache-write
-op: `_pin` puts it back after each layer. The copies release the GIL (torch ops, vLLM's
-cache-write op). Only the thread touches the radixkv
-client between `start` and `finish` (the engine's thread does not use it during the forward).
+forward rather than taking turns with it; where the engine has every CPU it shares them. Each
+layer of a load is one call of the native page copy (pages_kernel.py: single-threaded, no
+OpenMP); where that kernel is unavailable, vLLM's (parallel) cache-write op copies, and OpenMP
+moves the thread onto the engine's first CPU when it first runs it: `_pin` puts it back after
+each layer. The copies release the GIL (the native copy, torch ops, vLLM's cache-write op).
+Only the thread touches the radixkv client between `start` and `finish` (the engine's thread
+does not use it during the forward).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch
 
 from radixkv.client import Client
 from radixkv.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
+from radixkv.integrations import pages_kernel
 from radixkv.integrations.layout import FlashPages, LayoutError, Pages, ProbedPages, check_layers
 from radixkv.integrations.link import Down, Link
 from radixkv.integrations.vllm_loader import LayerLoader, release_after_copy
@@ -67,8 +68,11 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.names = layer_order(list(kv_caches))
         self.layers = [kv_caches[n] for n in self.names]
-        if self.layerwise and self.layers and not self.layers[0].is_cuda:
-            self.loader = LayerLoader(self.link, self.names, self.load_cpus)
+        if self.layers and not self.layers[0].is_cuda:
+            pages_kernel.ops()  # the native page copy: built (once per machine) or loaded now,
+            # at the engine's start, rather than in its first request's copy
+            if self.layerwise:
+                self.loader = LayerLoader(self.link, self.names, self.load_cpus)
 
     def pages(self) -> Pages:
         """The page layout, found once (CPU pages are probed through the first layer's own
