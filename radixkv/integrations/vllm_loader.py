@@ -1,7 +1,8 @@
 """Layer-wise loads for the vLLM connector's worker: the copy overlaps the forward.
 
 `start` (from `start_load_kv`, before the step's forward) hands the step's loads to a thread of
-their own, which copies layer 0 of every load, then layer 1, and so on, marking each layer done;
+their own, which copies layer 0 of every load, then the next layers in groups of doubling size
+(`layer_groups`: fewer, larger copies), marking each layer done once its group is copied;
 vLLM's attention of layer i waits for layer i only (`wait_layer`, from `wait_for_layer_load`),
 so the forward of the first layers runs while the later ones are copied. After the last layer
 the thread ends each load's lease (Release): a lease that ended before means the blocks may have
@@ -47,6 +48,22 @@ def release_after_copy(client: Client, lease_id: int) -> bool:
     except (LeaseExpired, NotFound):
         return False
     return True
+
+
+def layer_groups(count: int) -> list[tuple[int, int]]:
+    """The loader's copies, as [first, end) layer ranges: layer 0 alone, then groups doubling
+    in size (1, 1, 2, 4, 8, ...). The forward needs layer 0 at once and each later layer only
+    after the forward of those before it, which outlasts their copy many times over; fewer,
+    larger calls cost less per byte (docs/vllm.md, "The page copy")."""
+    groups: list[tuple[int, int]] = []
+    first, size = 0, 1
+    while first < count:
+        end = min(count, first + size)
+        groups.append((first, end))
+        first = end
+        if len(groups) > 1:
+            size *= 2
+    return groups
 
 
 def parse_cpus(setting: str, engine: set[int]) -> set[int] | None:
@@ -199,17 +216,19 @@ class LayerLoader:
                 job.done.set()
 
     def _copy(self, job: Job) -> None:
-        for i, kv in enumerate(job.layers):
+        for first, end in layer_groups(len(job.layers)):
             for k, (ld, view) in enumerate(job.loads):
                 if k in job.failed:
                     continue
                 try:
-                    job.pages.from_pool([kv], ld.pages, view[:, i:i + 1], ld.blocks)
+                    job.pages.from_pool(job.layers[first:end], ld.pages, view[:, first:end],
+                                        ld.blocks)
                 except Exception as e:  # noqa: BLE001 - this load fails, the others go on
                     job.failed.add(k)
                     self.link.log.error("radixkv: cannot copy request %s's KV into vLLM's "
                                         "pages: %s: %s", ld.req_id, type(e).__name__, e)
-            job.done_layers[i].set()
+            for i in range(first, end):
+                job.done_layers[i].set()
             self._pin()
 
     def _release(self, job: Job) -> None:
