@@ -47,6 +47,7 @@ from gpu_pool.errors import (
 )
 from gpu_pool.handle import PoolHandle, pid_alive
 from gpu_pool.layout import KVLayout
+from gpu_pool.prefault import Prefault
 from gpu_pool.slab import Slab
 from gpu_pool.units import format_bytes
 
@@ -329,9 +330,12 @@ def _finalize_owner(path: str, owner_pid: int, fd: int) -> None:
 
 
 class HostPoolMapping(_MappedBytes, PoolMapping):
-    """An attaching process's mapping of a host pool. Never unlinks anything."""
+    """An attaching process's mapping of a host pool. Never unlinks anything. With `prefault`
+    (the default) its pages are mapped in ahead of use, in the background (gpu_pool/prefault.py:
+    a first copy then does not pay a page fault per 4 KiB)."""
 
-    def __init__(self, handle: PoolHandle, shm_dir: str = SHM_DIR) -> None:
+    def __init__(self, handle: PoolHandle, shm_dir: str = SHM_DIR, prefault: bool = True
+                 ) -> None:
         super().__init__(handle)
         if not _NAME_RE.fullmatch(handle.name):
             raise InvalidArgument(f"segment name {handle.name!r} is not a plain file name")
@@ -359,11 +363,15 @@ class HostPoolMapping(_MappedBytes, PoolMapping):
             self._map = _Mapping(fd, handle.nbytes)
         finally:
             os.close(fd)  # the mapping stays valid without the descriptor
+        assert self._map.mm is not None
+        self.prefault = Prefault(self._map.mm, handle.name) if prefault else None
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.prefault is not None:
+            self.prefault.stop()
         self._drop_views()
         self._map.release()
 

@@ -528,3 +528,37 @@ def test_signal_cleanup_keeps_an_ignored_signal_ignored() -> None:
     finally:
         signal.signal(signal.SIGUSR1, before)
         gpu_pool.host._installed.discard(signal.SIGUSR1)
+
+
+def _rss_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that contains `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if span:
+                inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_an_attached_pool_is_mapped_in_ahead_of_use(prefault: bool) -> None:
+    """An attaching process's mapping gets its pages mapped in the background (no page fault per
+    4 KiB at its first copies); without prefault nothing is mapped until touched."""
+    with make_pool(8192) as pool:
+        handle = pool.export()
+        mapping = gpu_pool.host.HostPoolMapping(handle, prefault=prefault)
+        try:
+            address = mapping.numpy_view().__array_interface__["data"][0]
+            if prefault:
+                assert mapping.prefault is not None
+                assert mapping.prefault.done.wait(30)
+                assert mapping.prefault.filled == handle.nbytes
+                assert _rss_kib(address) * 1024 >= handle.nbytes - 4096
+            else:
+                assert mapping.prefault is None
+                assert _rss_kib(address) == 0
+        finally:
+            mapping.close()
