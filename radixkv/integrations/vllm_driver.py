@@ -7,7 +7,7 @@ the parent's side and imports no vLLM).
 Each stdin line is a JSON command, answered by one JSON line on stdout (after a first
 {"ready": ...} line once the engine is up):
 
-    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": N}
+    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": N, "salt": S (optional)}
         -> {"outputs": [[ids...]], "cached": [num_cached_tokens...], "s": seconds,
             "ttft": [vLLM's time to first token per request, seconds (null if not measured)],
             "queued": [queued -> scheduled, s], "prefill": [scheduled -> first token, s]}
@@ -69,8 +69,11 @@ class Driver:
         self.proc.stdin.flush()
         return self._read(timeout)
 
-    def generate(self, *prompts: list[int], max_tokens: int = 8) -> dict[str, Any]:
-        return self.ask(op="generate", prompts=list(prompts), max_tokens=max_tokens)
+    def generate(self, *prompts: list[int], max_tokens: int = 8,
+                 salt: str | None = None) -> dict[str, Any]:
+        """Greedy completions; `salt` is vLLM's cache_salt for every prompt (a salted prompt
+        shares no cached blocks with unsalted ones, neither vLLM's nor radixkv's)."""
+        return self.ask(op="generate", prompts=list(prompts), max_tokens=max_tokens, salt=salt)
 
     def external_hits(self) -> float:
         metrics = self.ask(op="metrics")["metrics"]
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         if op == "generate":
             params = SamplingParams(temperature=0.0, max_tokens=int(cmd.get("max_tokens", 8)),
                                     ignore_eos=bool(cmd.get("ignore_eos", False)))
-            prompts = [{"prompt_token_ids": list(p)} for p in cmd["prompts"]]
+            salt = {"cache_salt": cmd["salt"]} if cmd.get("salt") else {}
+            prompts = [{"prompt_token_ids": list(p), **salt} for p in cmd["prompts"]]
             t = time.perf_counter()
             results = llm.generate(prompts, params, use_tqdm=False)
             answer: dict[str, Any] = {
