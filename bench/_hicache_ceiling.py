@@ -3,7 +3,9 @@ by SGLang's controller in the bench worker (.venv-sglang) like radixkv's. Each s
 copy in this process's memory (a dict from key to a block of one preallocated tensor in
 radixkv's canonical [layers, 2, page, heads, dim] order), copied with the HostPages routine
 radixkv's backend uses. What it reaches is what any backend can reach through SGLang's
-controller on this machine: it pays the controller's own work and the copies, nothing else."""
+controller on this machine: it pays the controller's own work and the copies, nothing else.
+With `"copy": false` in the extra config it copies nothing (answers as if it had): what is left
+is the controller's own work, the floor under every backend's batch."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ from radixkv.integrations.layout import HostPages
 
 class CeilingStore(HiCacheStorage):  # type: ignore[misc]
     """Pages in a dict; `blocks` in the extra config: how many pages it holds (default 4096;
-    when full, it forgets every page and starts over)."""
+    when full, it forgets every page and starts over); `copy` (default true): false skips the
+    copies."""
 
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.capacity = int(extra.get("blocks", 4096))
+        self.copying = bool(extra.get("copy", True))
         self.where: dict[str, int] = {}
         self.next = 0
 
@@ -48,7 +52,9 @@ class CeilingStore(HiCacheStorage):  # type: ignore[misc]
             blocks.append(self.where[key])
         page = self.mem_pool_host.page_size
         slots = host_indices[:len(blocks) * page][::page].to(torch.long)
-        self.pages.copy(self.mem_pool_host.kv_buffer, slots, self.pool, blocks, to_pool=False)
+        if self.copying:
+            self.pages.copy(self.mem_pool_host.kv_buffer, slots, self.pool, blocks,
+                            to_pool=False)
         return [True] * len(blocks) + [False] * (len(keys) - len(blocks))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -60,7 +66,9 @@ class CeilingStore(HiCacheStorage):  # type: ignore[misc]
         self.next += len(keys)
         page = self.mem_pool_host.page_size
         slots = host_indices[::page].to(torch.long)
-        self.pages.copy(self.mem_pool_host.kv_buffer, slots, self.pool, blocks, to_pool=True)
+        if self.copying:
+            self.pages.copy(self.mem_pool_host.kv_buffer, slots, self.pool, blocks,
+                            to_pool=True)
         self.where.update(zip(keys, blocks, strict=True))
         return [True] * len(keys)
 

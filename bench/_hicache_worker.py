@@ -71,10 +71,11 @@ def main() -> None:
     profiling = backend == "radixkv" and os.environ.get("RADIXKV_BENCH_PROFILE") == "1"
     if profiling:
         profile()
-    if backend == "ceiling":  # no IPC: pages in this process (bench/_hicache_ceiling.py)
-        extra = {"backend_name": "ceiling", "module_path": "_hicache_ceiling",
+    if backend in ("ceiling", "controller"):  # no IPC (bench/_hicache_ceiling.py); the
+        # controller's own floor copies nothing at all
+        extra = {"backend_name": backend, "module_path": "_hicache_ceiling",
                  "class_name": "CeilingStore", "interface_v1": 1,
-                 "blocks": n * (int(rounds) + 1) + 8}
+                 "blocks": n * (int(rounds) + 1) + 8, "copy": backend == "ceiling"}
         name = "dynamic"
     if backend == "radixkv":
         extra = {"backend_name": "radixkv", "module_path": "radixkv.integrations.sglang",

@@ -26,7 +26,10 @@ The ceiling (ceiling_pages_per_s, ceiling_vs_file_backend, ceiling_vs_memcpy; vs
 vs_ceiling_warm are radixkv's over it): a backend with no IPC at all, each page a copy in the
 worker's own memory (pre-touched), copied with the routine radixkv's backend uses
 (bench/_hicache_ceiling.py), driven through the same controller. No backend can pass it through
-SGLang's controller on this machine: it pays only the controller's work and the copies.
+SGLang's controller on this machine: it pays only the controller's work and the copies. The
+controller's own floor (controller_pages_per_s, controller_vs_memcpy): the same backend copying
+nothing; a backend reaches a share of memcpy above memcpy_s / (memcpy_s + controller_s) only
+if its copy is faster than a memcpy.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
         fb = run_worker("file", geometry, batch, rounds, None,
                         {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(files)})
         top = run_worker("ceiling", geometry, batch, rounds, None, {})
+        floor = run_worker("controller", geometry, batch, rounds, None, {})
     page_bytes = rkv["page_bytes"]
     memcpy = batch / statistics.median(rkv["memcpy_s"])
     rows = []
@@ -98,6 +102,7 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
         mine_warm = batch / statistics.median(warm[f"{op}_s"][1:])  # from the third batch
         theirs = batch / statistics.median(fb[f"{op}_s"])
         ceiling = batch / statistics.median(top[f"{op}_s"])
+        bare = batch / statistics.median(floor[f"{op}_s"])
         rows.append({"op": op, "page_bytes": page_bytes, "batch_pages": batch,
                      "radixkv_pages_per_s": round(mine, 1),
                      "file_backend_pages_per_s": round(theirs, 1),
@@ -112,6 +117,10 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
                      "ceiling_vs_memcpy": round(ceiling / memcpy, 3),
                      "vs_ceiling": round(mine / ceiling, 3),
                      "vs_ceiling_warm": round(mine_warm / ceiling, 3),
+                     "controller_pages_per_s": round(bare, 1),
+                     "controller_vs_memcpy": round(bare / memcpy, 3),
+                     # at most this share of memcpy: the controller's time plus a memcpy's
+                     "memcpy_bound_vs_memcpy": round(1 / (1 + memcpy / bare), 3),
                      "radixkv_gb_per_s": round(mine * page_bytes / 1e9, 3),
                      "file_backend_gb_per_s": round(theirs * page_bytes / 1e9, 3),
                      **({"profile_cold": rkv["profile"], "profile_warm": warm["profile"]}
