@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -29,11 +30,10 @@ class Releases(Protocol):
     def release(self, *lease_ids: int, hint: str | None = None) -> int: ...
 
 
+@dataclass(frozen=True)
 class _Insert:
-    def __init__(self, send: Callable[[], object],
-                 on_error: Callable[[BaseException], None]) -> None:
-        self.send = send
-        self.on_error = on_error
+    send: Callable[[], object]
+    on_error: Callable[[BaseException], None]
 
 
 _Item = tuple[Releases, list[int]] | _Insert
