@@ -28,8 +28,8 @@ worker's own memory (pre-touched), copied with the routine radixkv's backend use
 (bench/_hicache_ceiling.py), driven through the same controller. No backend can pass it through
 SGLang's controller on this machine: it pays only the controller's work and the copies. The
 controller's own floor (controller_pages_per_s, controller_vs_memcpy): the same backend copying
-nothing; a backend reaches a share of memcpy above memcpy_bound_vs_memcpy (controller_s + a
-memcpy's time, over the memcpy's) only if its copy is faster than a memcpy.
+nothing; a backend reaches a share of memcpy above memcpy_bound_vs_memcpy (a memcpy's time
+over the controller's plus the memcpy's) only if its copy is faster than a memcpy.
 """
 
 from __future__ import annotations
