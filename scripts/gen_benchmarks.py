@@ -277,6 +277,38 @@ def ttft(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def vllm_ttft(r: dict[str, Any]) -> list[str]:
+    out = [f"Time to first token of {num(r['prompt_tokens'])}-token prompts across two vLLM "
+           f"processes (docs/vllm.md): engine B loads through radixkv the prefix engine A "
+           f"stored; `{r['model']}` in bf16, block size {r['block_size']}, every engine pinned "
+           f"to CPU {r['cpu']}, {r['loads']} loads; medians of {r['repeat']} prompts per share. "
+           "The connectors' own costs: radixkv's Match plus the forward's wait for its load; "
+           "ExampleConnector's lookup plus the files it loads and writes inside the forward.", ""]
+    out += table(["shared", "radixkv hits (tokens)", "TTFT B through radixkv", "no cache",
+                  "vLLM prefix cache", "ExampleConnector (its hits)", "B / no cache",
+                  "B / vLLM cache", "B / Example", "radixkv connector (share of TTFT)",
+                  "ExampleConnector's own", "radixkv's own / Example's",
+                  "outputs identical (full prefill / vLLM cache)"],
+                 ([f"{row['shared_pct']} %", num(row["radixkv_hit_tokens"]),
+                   f"{row['ttft_radixkv_ms']:,.0f} ms", f"{row['ttft_no_cache_ms']:,.0f} ms",
+                   f"{row['ttft_vllm_prefix_cache_ms']:,.0f} ms",
+                   f"{row['ttft_example_connector_ms']:,.0f} ms "
+                   f"({num(row['example_connector_hit_tokens'])})",
+                   f"{row['ratio_vs_no_cache']:.2f}", f"{row['ratio_vs_vllm_prefix_cache']:.2f}",
+                   f"{row['ratio_vs_example_connector']:.3f}",
+                   f"{row['connector_ms']:.1f} ms ({pct(row['connector_share'])})",
+                   f"{row['example_connector_ms']:.1f} ms",
+                   f"{row['connector_vs_example_connector']:.3f}",
+                   f"{'yes' if row['outputs_identical'] else 'no'} / "
+                   f"{'yes' if row['outputs_identical_to_vllm_prefix_cache'] else 'no'}"]
+                  for row in r["rows"]))
+    goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
+    out += ["", f"Goals ({r['goal_text']}): {goals}. Load average at the end "
+            f"{', '.join(f'{x:.2f}' for x in r['load_average'])}; the bench ran "
+            f"{r['wall_s'] / 60:.0f} min."]
+    return out
+
+
 RPC_CASES = {
     "match_1": "Match, 1 client", "echo_1": "gRPC echo of the same bytes, 1 client",
     "match_batched_1": "batched Match (queries a call: see above), 1 client",
@@ -400,6 +432,7 @@ SECTIONS = (
     Section("dump_pages", "DumpTree under the service lock: whole or in pages", dump_pages),
     Section("pool_copy", "Pool copies: plain and quantized gather / scatter", pool_copy),
     Section("ttft", "Time to first token", ttft),
+    Section("vllm_ttft", "vLLM: time to first token across two processes", vllm_ttft),
     Section("kv_accuracy", "KV through the pool: perplexity on SmolLM2-135M", kv_accuracy),
     Section("swa_capacity", "Sliding-window capacity: windowed-aware against all-full",
             swa_capacity),

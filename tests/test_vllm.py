@@ -237,19 +237,29 @@ def test_cross_instance_reuse(world: World) -> None:
 
 
 def test_partial_prefix_reuses_exactly_k_blocks(world: World) -> None:
-    """A prompt sharing only its first 2 blocks with a stored 5-block one loads 2 blocks."""
+    """A prompt sharing only its first 2 blocks with a stored 5-block one loads 2 blocks.
+
+    The reference is A's answer with the same 2 blocks from its own prefix cache, asked under a
+    salt of its own and before B: B stores the 3 blocks it computes when its request ends, and
+    an unsalted request of A's racing that store could load them too."""
     assert world.a is not None and world.b is not None
     stored = prompt(5, 5 * BLOCK + 10)
+    partial = stored[:2 * BLOCK] + prompt(6, 3 * BLOCK)
     before = world.cached_blocks()
     world.a.generate(stored, max_tokens=2)
     world.wait_stored(before + 5)
-    partial = stored[:2 * BLOCK] + prompt(6, 3 * BLOCK)
+    salt = "the reference"  # the same full prefill, so the same bytes, in A's own cache
+    world.a.generate(stored, max_tokens=2, salt=salt)
+    ra = world.a.generate(partial, salt=salt)
+    assert ra["cached"] == [2 * BLOCK]
     hits0 = world.hit_tokens()
     r = world.b.generate(partial)
     assert r["cached"] == [2 * BLOCK]
     assert world.hit_tokens() - hits0 >= 2 * BLOCK
-    ra = world.a.generate(partial)  # A's own prefix cache holds the 2 blocks too
-    assert ra["cached"] == [2 * BLOCK] and r["outputs"] == ra["outputs"]
+    assert r["outputs"] == ra["outputs"]
+    # every store of this test has landed (A's salted 5 + 3 blocks, B's 3) before the next
+    # test counts blocks
+    world.wait_stored(before + 16)
 
 
 def test_loaded_kv_is_really_used(world: World) -> None:
