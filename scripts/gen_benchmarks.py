@@ -288,7 +288,7 @@ def vllm_ttft(r: dict[str, Any]) -> list[str]:
                   "vLLM prefix cache", "ExampleConnector (its hits)", "B / no cache",
                   "B / vLLM cache", "B / Example", "radixkv connector (share of TTFT)",
                   "ExampleConnector's own", "radixkv's own / Example's",
-                  "outputs identical (full prefill / vLLM cache)"],
+                  "outputs: B = full prefill / B = vLLM cache / vLLM cache = full prefill"],
                  ([f"{row['shared_pct']} %", num(row["radixkv_hit_tokens"]),
                    f"{row['ttft_radixkv_ms']:,.0f} ms", f"{row['ttft_no_cache_ms']:,.0f} ms",
                    f"{row['ttft_vllm_prefix_cache_ms']:,.0f} ms",
@@ -299,8 +299,9 @@ def vllm_ttft(r: dict[str, Any]) -> list[str]:
                    f"{row['connector_ms']:.1f} ms ({pct(row['connector_share'])})",
                    f"{row['example_connector_ms']:.1f} ms",
                    f"{row['connector_vs_example_connector']:.3f}",
-                   f"{'yes' if row['outputs_identical'] else 'no'} / "
-                   f"{'yes' if row['outputs_identical_to_vllm_prefix_cache'] else 'no'}"]
+                   " / ".join("yes" if row[k] else "no" for k in (
+                       "outputs_identical", "outputs_identical_to_vllm_prefix_cache",
+                       "vllm_prefix_cache_outputs_identical"))]
                   for row in r["rows"]))
     goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
     out += ["", f"Goals ({r['goal_text']}): {goals}. Load average at the end "
