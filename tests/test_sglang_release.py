@@ -46,7 +46,10 @@ def test_a_get_answers_before_radixkv_processes_its_release(
             seq = tokens(40_000, 4)
             wrote = a("write", name="nowait", tokens=seq, seed=8)
             keys = a("keys", name="nowait", tokens=seq)["keys"]
-            assert b("exists", name="nowait", keys=keys)["exists"] == 4
+            deadline = time.monotonic() + 10  # A's write answers before its Insert lands
+            while b("exists", name="nowait", keys=keys)["exists"] < 4:
+                assert time.monotonic() < deadline, "A's write never became visible to B"
+                time.sleep(0.05)
             server.proc.send_signal(signal.SIGSTOP)
             try:
                 got = b("get", name="nowait", keys=keys)
