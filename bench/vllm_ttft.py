@@ -267,11 +267,10 @@ def measure(args: argparse.Namespace, shares: list[int],
 def row_of(args: argparse.Namespace, share: int, t: dict[str, list[float]], same: list[bool],
            hits: dict[str, list[int]]) -> dict[str, Any]:
     med, ratio = median_ms(t), ratio_of(t)
-    shares_of_ttft = [(m + ld) / r for m, ld, r in zip(t["match"], t["load"], t["radixkv"],
-                                                      strict=True)]
+    own = [m + ld for m, ld in zip(t["match"], t["load"], strict=True)]  # radixkv's connector
+    shares_of_ttft = [o / r for o, r in zip(own, t["radixkv"], strict=True)]
     cpu_shares = [(m + ld) / r for m, ld, r in zip(t["match"], t["load_cpu"], t["radixkv"],
                                                    strict=True)]
-    own = [m + ld for m, ld in zip(t["match"], t["load"], strict=True)]  # radixkv's connector
     return {
         "shared_pct": share, "shared_tokens": args.prompt_tokens * share // 100,
         "radixkv_hit_tokens": min(hits["radixkv"]),
