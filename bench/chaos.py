@@ -1,7 +1,7 @@
 """Chaos: a verified replay while clients and the server are SIGKILLed and the server restarts.
 
     python bench/chaos.py --minutes 10 [--clients 4] [--json]
-    python bench/chaos.py --seconds 30 --clients 3 --json          # what CI runs
+    python bench/chaos.py --seconds 30 --clients 3 --disk-blocks 96 --json   # what CI runs
     python bench/chaos.py --cluster --members 3 --minutes 10 --json  # etcd, members, a router
 
     supervisor (this process)                      client processes (spawn) x N
@@ -19,6 +19,10 @@ Every full block's first 8 bytes are its key: a chained hash of namespace + toke
 (radixkv.replay.client.block_keys, written and read with its BlockBytes), so a hit block holding
 anything but its own prefix's bytes is a mismatch. bench/_chaos_client.py is the client process:
 when a read counts as proven, and why answers that crossed an epoch change are discarded.
+
+--disk-blocks N gives the server a disk tier of N slots (--disk-dir in the run's directory): the
+pool's evictions are demoted, hits past the pool are promoted and verified the same way, and every
+SIGKILL is followed by a restart that rescans the slot file.
 
 --cluster runs the same engines' cycle over a cluster instead (bench/chaos_cluster.py): they
 route through a router while members, the router and etcd are SIGKILLed and restarted.
@@ -83,6 +87,10 @@ class Chaos:
             json.dump(LAYOUT, f)
         self.flags = ("--model-config", config, "--block-size", str(a.block_size),
                       "--num-blocks", str(a.num_blocks), "--lease-ttl", str(a.lease_ttl))
+        if a.disk_blocks:
+            disk = os.path.join(directory, "disk")
+            os.mkdir(disk, 0o700)
+            self.flags += ("--disk-dir", disk, "--disk-capacity-blocks", str(a.disk_blocks))
         self.ctx = mp.get_context("spawn")
         self.stop_clients = self.ctx.Event()
         self.client_args = {"target": self.socket, "block_size": a.block_size,
@@ -222,6 +230,7 @@ class Chaos:
             "server_crashes": self.server_crashes,
             "requests_per_s": round(t["requests"] / elapsed, 1),
             "server_exit_code": rc, "client_stragglers": stragglers,
+            **_disk_figures(final.get("disk")),
             **{k: v for k, v in t.items() if k not in ("requests", "mismatches")},
         }
         if shm_left:
@@ -251,6 +260,15 @@ class Chaos:
             self.server.stop()
 
 
+def _disk_figures(disk: dict[str, Any] | None) -> dict[str, Any]:
+    """The disk tier's counters from the final Stats (none without a tier)."""
+    if not disk or not disk.get("capacity_blocks"):
+        return {}
+    names = ("demoted_blocks", "promoted_blocks", "evicted_blocks", "verify_failures",
+             "loaded_blocks", "dropped_at_load", "hit_tokens")
+    return {f"disk_{n}": disk[n] for n in names if n in disk}
+
+
 def log(message: str) -> None:
     print(f"chaos: {message}", file=sys.stderr, flush=True)
 
@@ -278,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=192, help="pool blocks (192)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per block (4)")
     p.add_argument("--seed", type=int, default=0, help="workload and schedule seed (0)")
+    p.add_argument("--disk-blocks", type=int, default=0, metavar="N",
+                   help="give the server a disk tier of N slots below the pool (0: none)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     g = p.add_argument_group("cluster (bench/chaos_cluster.py)")
     g.add_argument("--cluster", action="store_true",

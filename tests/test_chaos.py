@@ -1,6 +1,7 @@
 """bench/chaos.py, CI-sized: ~30 s of verified replay from 3 client processes while clients are
-SIGKILLed mid-lease and the server is SIGKILLed and restarted on the same socket; and ~30 s of
-its cluster mode (etcd, 2 members, a router; members, the router and etcd SIGKILLed)."""
+SIGKILLed mid-lease and the server (with a disk tier below its pool) is SIGKILLed and restarted on
+the same socket; and ~30 s of its cluster mode (etcd, 2 members, a router; members, the router
+and etcd SIGKILLed)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ def run_chaos(timeout: float, *flags: str) -> tuple[subprocess.CompletedProcess,
 
 def test_chaos_short_run_keeps_every_hit_correct_and_leaks_nothing():
     out, r, detail = run_chaos(150, "--seconds", "30", "--clients", "3", "--kill-every", "2",
-                               "--restart-every", "5")
+                               "--restart-every", "5", "--disk-blocks", "96")
     assert r["mismatches"] == 0, detail
     assert (r["leaked_blocks"], r["leaked_leases"], r["shm_left"]) == (0, 0, 0), detail
     assert r["integrity"] == "ok" and r["integrity_failures"] == 0, detail
     assert r["fatal"] == 0 and r["internal_errors"] == 0 and r["server_crashes"] == 0, detail
     assert r["client_kills"] >= 1 and r["server_restarts"] >= 1, detail
     assert r["requests"] > 0 and r["verified_blocks"] > 0, detail
+    assert r["disk_demoted_blocks"] > 0 and r["disk_promoted_blocks"] > 0, detail  # the tier served
     assert r["server_exit_code"] == 0 and out.returncode == 0, detail
 
 
