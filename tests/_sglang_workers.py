@@ -26,7 +26,7 @@ class Worker:
     def __init__(self, log: Path) -> None:
         if not SGLANG_PYTHON.exists():
             pytest.fail(f"{SGLANG_PYTHON} is missing: run `bash scripts/bootstrap_sglang` "
-                        "(`bash scripts/bootstrap` runs it)")
+                        "(`bash scripts/bootstrap --tests` runs it)")
         self.log = log
         self.proc = subprocess.Popen(
             [str(SGLANG_PYTHON), str(REPO / "tests" / "_sglang_worker.py")],

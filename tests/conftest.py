@@ -22,6 +22,13 @@ else:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that loads the real model is `slow`, like those that boot vLLM, SGLang or etcd."""
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Any:
     """The real model (radixkv.engines.models "smollm2-135m", fp32), loaded once per test

@@ -57,6 +57,7 @@ def test_workload_to_tree_replay(tmp_path):
     assert report["requests"] == 40 and 0 < report["token_hit_rate"] < 1
 
 
+@pytest.mark.slow
 def test_tree_replay_beside_sglangs_rust_tree():
     """--sglang replays the same requests through SGLang's Rust tree (.venv-sglang): both trees
     evict under the same capacity and hit the same tokens (LRU picks the same victims up to
@@ -185,6 +186,7 @@ def test_pool_copy_leaves_no_shared_memory_on_sigterm():
     assert not ours()
 
 
+@pytest.mark.slow
 def test_compare_runs_every_bench_on_two_worktrees_and_removes_them():
     """bench/compare.py at smoke size, HEAD against HEAD: every headline bench gives its
     figures on both sides (one round, so one ratio each), and the two worktrees, the servers'

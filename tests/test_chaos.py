@@ -15,7 +15,7 @@ import pytest
 
 CHAOS = Path(__file__).resolve().parents[1] / "bench" / "chaos.py"
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def run_chaos(timeout: float, *flags: str) -> tuple[subprocess.CompletedProcess, dict, str]:

@@ -23,9 +23,9 @@ from radixkv.cluster.membership import member_key
 from radixkv.cluster.routed import RoutedClient, RouterClient
 from radixkv.errors import InvalidArgument, Unavailable
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("etcd") is None,
                                 reason="etcd is not installed (apt-get install etcd-server; "
-                                "scripts/bootstrap does it)")
+                                "scripts/bootstrap --tests does it)")]
 
 TTL = 2  # the members' --cluster-ttl
 NS = "chat@rev1"

@@ -21,7 +21,8 @@ from radixkv.cluster.routed import RouterClient
 from radixkv.errors import RadixKVError
 from radixkv.v1 import radixkv_pb2_grpc
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")]
 
 NS = "chat@rev1"
 

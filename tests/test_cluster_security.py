@@ -27,9 +27,9 @@ from radixkv.cluster.local import etcd_process, local_cluster, start_router
 from radixkv.cluster.routed import RouterClient
 from radixkv.server.launch import start_server, wait_for_banner
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("etcd") is None,
                                 reason="etcd is not installed (apt-get install etcd-server; "
-                                "scripts/bootstrap does it)")
+                                "scripts/bootstrap --tests does it)")]
 
 TOKEN = "cluster-token-0123456789"
 NS = "chat@rev1"

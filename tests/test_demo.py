@@ -11,6 +11,7 @@ import tempfile
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the real model's two engine processes; slow on a loaded machine
 def test_demo_runs_every_stage():
     pytest.importorskip("transformers", reason="the engine stage needs the `hf` extra")

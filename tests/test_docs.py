@@ -20,7 +20,7 @@ def test_the_readme_is_at_most_200_lines() -> None:
 def test_the_readme_starts_with_the_two_commands() -> None:
     first = (REPO / "README.md").read_text().splitlines()[:4]
     assert first == ["```", "bash scripts/bootstrap && .venv/bin/radixkv demo",
-                     "bash scripts/bootstrap && .venv/bin/python -m pytest -q", "```"]
+                     "bash scripts/bootstrap --tests && .venv/bin/python -m pytest -q", "```"]
 
 
 def test_benchmarks_md_is_what_the_script_generates() -> None:

@@ -32,7 +32,8 @@ from radixkv.cluster.routed import RouterClient
 from radixkv.v1 import router_pb2 as pb
 from radixkv.v1 import router_pb2_grpc
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")]
 
 NS = "fuzz-a"
 OK_CODES = {"OK", "INVALID_ARGUMENT", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}

@@ -69,6 +69,7 @@ def test_max_concurrent_rpcs_is_a_flag():
             channel.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
 def test_the_router_accepts_a_max_tokens_prompt(tmp_path):
 

@@ -21,7 +21,7 @@ from _sglang_workers import PAGE, Worker, leases_back_to, no_errors, start_worke
 from radixkv.client import Client
 from radixkv.server.launch import start_server
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from _sglang_workers import Worker, leases_back_to, no_errors, start_workers, to
 from radixkv.client import Client
 from radixkv.server.launch import start_server
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

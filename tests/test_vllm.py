@@ -34,13 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128  # vLLM's CPU block size; radixkv serves the same
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def vllm_python() -> str:
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `bash scripts/bootstrap_vllm` (`bash "
-                    "scripts/bootstrap` runs it)")
+                    "scripts/bootstrap --tests` runs it)")
     return str(VLLM_PYTHON)
 
 

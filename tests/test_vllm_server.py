@@ -34,7 +34,7 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128
 CHUNK = 256  # --max-num-batched-tokens: a long prompt prefills over several steps
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def free_port() -> int:

@@ -43,7 +43,7 @@ def etcd_binary() -> str:
     path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else "")
     if not path:
         raise EtcdNotFound("etcd is not installed: `apt-get install etcd-server` (Debian; "
-                           "scripts/bootstrap does it)")
+                           "scripts/bootstrap --tests does it)")
     return path
 
 
