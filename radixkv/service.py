@@ -333,7 +333,13 @@ class KVService:
     def clear(self, namespace: str) -> int:
         """Drop every cached block of `namespace` (in the pool and in the tier below) and the
         namespace itself; publishes AllBlocksCleared. FailedPrecondition while a lease pins or
-        holds anything in it. Returns the pool blocks freed."""
+        holds anything in it. Returns the pool blocks freed, once the tier below has made the
+        drop durable (Unavailable if it cannot: a crash might bring the blocks back)."""
+        freed = self._clear(namespace)
+        self._tier.sync_drops()  # off the lock: the writer may have a backlog to write first
+        return freed
+
+    def _clear(self, namespace: str) -> int:
         with self._lock:
             ns = self._namespaces.get(namespace)
             if ns is None:

@@ -1,6 +1,7 @@
 """What the service asks of a tier below its pool, and the tier it has without one.
 
-The service calls these, under its lock except `read`, and never asks which tier it has:
+The service calls these, under its lock except `read` and `sync_drops`, and never asks which
+tier it has:
 
     plan       before a Match (under the lock): which blocks below continue the prompt's cached
     read       prefix, and pool blocks reserved for them; then (off the lock) read them into
@@ -8,7 +9,8 @@ The service calls these, under its lock except `read`, and never asks which tier
                insert them in the tree; `abandon` undoes a plan whose Match failed
     demote     pool blocks the policy evicted, before they go back to the free list
     inserted   blocks an Insert adopted (the tier learns their keys; a copy below is dropped)
-    cleared    a namespace's blocks dropped by Clear
+    cleared    a namespace's blocks dropped by Clear; then `sync_drops` (off the lock) waits
+               until they cannot come back after a crash
     stats      its figures; check_integrity its invariants
 
 `NoTier` is the pool alone: every hook does nothing. The disk tier is radixkv/disk/tier.py.
@@ -66,6 +68,10 @@ class NoTier:
         """Clear dropped `block_ids` and the namespace: drop its blocks here too. Returns
         how many the tier held."""
         return 0
+
+    def sync_drops(self) -> None:
+        """Off the service lock: return once the blocks dropped so far stay dropped across a
+        crash (Unavailable if the tier cannot make it so)."""
 
     def stats(self) -> DiskStats:
         return DiskStats()

@@ -113,6 +113,9 @@ class DiskStats:
     loaded_blocks: int = 0  # found on disk at start (a warm restart)
     dropped_at_load: int = 0  # slots found torn or not verifying at start
     generation: int = 0  # service starts on this tier's file
+    state: str = ""  # "ok"; "failing": its writes fail and are retried (demotions dropped)
+    last_error: str = ""  # the last write or fsync error ("" if none since the start)
+    write_errors: int = 0  # failed writes and fsyncs (each retry that fails counts)
 
 
 @dataclass(frozen=True, slots=True)

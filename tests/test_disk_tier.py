@@ -32,7 +32,7 @@ KILLS = int(os.environ.get("RADIXKV_DISK_KILLS", "10"))  # SIGKILL rounds (more 
 @pytest.fixture
 def workdir() -> Iterator[str]:
     d = tempfile.mkdtemp(prefix="rkv-")
-    os.mkdir(os.path.join(d, "disk"))
+    os.mkdir(os.path.join(d, "disk"), 0o700)
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
@@ -99,12 +99,18 @@ def test_prometheus_and_the_inspector_show_each_tier(workdir):
         assert m[("radixkv_tier_blocks", (("tier", "disk"),))] == 4
         assert m[("radixkv_demoted_blocks_total", ())] == 6  # 4, then 2 for the promotion
         assert m[("radixkv_promoted_blocks_total", ())] == 2
+        assert m[("radixkv_disk_up", ())] == 1 and m[("radixkv_disk_write_errors_total", ())] == 0
         out = subprocess.run([sys.executable, "-m", "radixkv", "inspect", "--socket",
                               server.socket, "--json"], capture_output=True, text=True,
                              timeout=60, cwd=REPO)
         tiers = json.loads(out.stdout)["tiers"]
         assert tiers["disk"]["blocks"] == 4 and tiers["disk"]["hit_tokens"] == 2 * BS
         assert tiers["memory"]["blocks"] == 8 and tiers["disk"]["capacity_blocks"] == 32
+        assert (tiers["disk"]["state"], tiers["disk"]["last_error"]) == ("ok", "")
+        text = subprocess.run([sys.executable, "-m", "radixkv", "inspect", "--socket",
+                               server.socket], capture_output=True, text=True, timeout=60,
+                              cwd=REPO, env={**os.environ, "COLUMNS": "400"}).stdout
+        assert "failed their checksum; writes ok" in " ".join(text.split())
     finally:
         stopped(server)
 
@@ -175,7 +181,7 @@ def test_disk_dir_on_a_read_only_or_full_filesystem_exits_2(workdir):
     wrap = _in_mount_namespace("ro,size=1m", target)
     assert "read-only filesystem" in _serve_fails(workdir, target, "--disk-capacity-blocks",
                                                   "8", wrap=wrap)
-    wrap = _in_mount_namespace("size=1m", target)
+    wrap = _in_mount_namespace("size=1m,mode=700", target)  # (a tmpfs is 1777 by default)
     err = _serve_fails(workdir, target, "--disk-capacity-blocks", "1000", wrap=wrap)
     assert "and its filesystem has" in err and "free" in err
 

@@ -79,7 +79,8 @@ def summary(kv: Client) -> dict[str, Any]:
                      "bytes": disk["bytes"], **{k: disk[k] for k in (
                          "capacity_blocks", "demoted_blocks", "promoted_blocks",
                          "evicted_blocks", "verify_failures", "loaded_blocks",
-                         "dropped_at_load", "generation")}}}
+                         "dropped_at_load", "generation", "pending_writes", "write_errors")},
+                     "state": disk.get("state", ""), "last_error": disk.get("last_error", "")}}
     return {
         "target": kv.target, "epoch": s["epoch"], "uptime_s": round(s["uptime_s"], 3),
         "pool": {"backend": s["backend"], "layout": layout, "blocks": blocks,
@@ -167,11 +168,16 @@ def render_summary(d: dict[str, Any]) -> Any:
                      f"{h['query_tokens']} tokens, {h['requests']} requests")
     if "tiers" in d:
         mem, disk = d["tiers"]["memory"], d["tiers"]["disk"]
+        writes = f"; writes {disk['state']}" if disk["state"] else ""
+        if disk["state"] == "failing":
+            writes = f"; writes FAILING (retried): {disk['last_error']}"
+        elif disk["write_errors"]:
+            writes += f" ({disk['write_errors']} errors, the last: {disk['last_error']})"
         head.add_row("disk tier", f"{disk['blocks']} of {disk['capacity_blocks']} blocks "
                      f"({_size(disk['bytes'])}); hits: {mem['hit_tokens']} tokens in memory, "
                      f"{disk['hit_tokens']} from disk; {disk['demoted_blocks']} demoted, "
                      f"{disk['promoted_blocks']} promoted, {disk['evicted_blocks']} dropped, "
-                     f"{disk['verify_failures']} failed their checksum")
+                     f"{disk['verify_failures']} failed their checksum{writes}")
     head.add_row("evictions", f"{d['evicted_blocks']} blocks")
     head.add_row("leases", f"{d['leases']['live']} live, {d['leases']['expired']} expired")
     spaces = Table(box=box.SIMPLE_HEAD)

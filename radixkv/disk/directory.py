@@ -1,7 +1,9 @@
 """Opening the disk tier on `--disk-dir`: the directory is checked first, and every reason it
 cannot hold the tier is an error naming it (the server exits 2 with it): missing, not a
-directory, on a read-only filesystem, owned by another user, not writable, too little free
-space for the preallocated file, or a file of another pool layout already there."""
+directory, on a read-only filesystem, owned by another user or writable by group or others,
+not writable, too little free space for the preallocated file, a slot or lock file that is a
+symlink, another user's or writable by others (disk/claim.py), another server holding the
+directory, or a file of another pool layout already there."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import stat
 
 from gpu_pool.base import BlockPool
 from gpu_pool.layout import format_bytes
+from radixkv.disk.claim import DirectoryInUse, UnsafeFile
 from radixkv.disk.slots import FILE_NAME, BadTierFile, SlotFile
 from radixkv.disk.tier import DiskTier
-from radixkv.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from radixkv.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied
 
 
 def check_directory(directory: str, need_bytes: int) -> None:
@@ -32,10 +35,13 @@ def check_directory(directory: str, need_bytes: int) -> None:
     if st.st_uid != os.geteuid():
         raise PermissionDenied(f"{where} is owned by uid {st.st_uid}, not this user "
                                f"(uid {os.geteuid()}): use a directory of your own")
+    if st.st_mode & 0o022:  # another user could replace the slot file with their own KV
+        raise PermissionDenied(f"{where} has mode {stat.S_IMODE(st.st_mode):o}: it must not "
+                               "be writable by group or others (chmod go-w)")
     if not os.access(directory, os.W_OK | os.X_OK) or not st.st_mode & stat.S_IWUSR:
         raise PermissionDenied(f"{where} is not writable by this user")
     path = os.path.join(directory, FILE_NAME)
-    have = os.stat(path).st_size if os.path.exists(path) else 0
+    have = os.lstat(path).st_size if os.path.lexists(path) else 0
     free = vfs.f_bavail * vfs.f_frsize
     if need_bytes - have > free:
         raise FailedPrecondition(
@@ -58,6 +64,10 @@ def open_disk_tier(pool: BlockPool, directory: str, capacity_blocks: int,
     check_directory(directory, need)
     try:
         return DiskTier(pool, directory, capacity_blocks, promote_blocks)
+    except DirectoryInUse as e:
+        raise AlreadyExists(f"--disk-dir {directory} is in use: {e}") from None
+    except UnsafeFile as e:
+        raise PermissionDenied(f"--disk-dir {directory}: {e}") from None
     except BadTierFile as e:
         raise FailedPrecondition(f"--disk-dir {directory}: {e}") from None
     except OSError as e:

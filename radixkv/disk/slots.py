@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import xxhash
 
 from gpu_pool.layout import KVLayout
+from radixkv.disk.claim import lock_directory, open_owned
 from radixkv.tokens import TOKEN_BYTES
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class BadTierFile(Exception):
 
 
 class SlotFile:
-    """The open file: header checked or written, generation bumped, slots read and written."""
+    """The open file: its directory locked, header checked or written, generation bumped,
+    slots read and written."""
 
     def __init__(self, path: str, layout: KVLayout, num_slots: int) -> None:
         self.path = path
@@ -117,11 +119,13 @@ class SlotFile:
         self.token_bytes = layout.block_size * TOKEN_BYTES
         # where a read puts the pads between payloads (shared by the reader threads: unread)
         self._discard = memoryview(bytearray(self.geometry.slot_bytes - self.geometry.meta_bytes))
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        self.fd = -1
+        self._lock = lock_directory(os.path.dirname(path) or ".")  # one server per directory
         try:
+            self.fd = open_owned(path, os.O_RDWR | os.O_CREAT)
             self.generation = self._open_header()
         except BaseException:
-            os.close(self.fd)
+            self.close()
             raise
 
     @property
@@ -284,3 +288,6 @@ class SlotFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self._lock >= 0:  # last: the directory is free once the file is closed
+            os.close(self._lock)
+            self._lock = -1

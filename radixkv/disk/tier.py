@@ -26,6 +26,12 @@ fsyncs; the next start on the same directory scans the slot headers (`meta_crc`,
 hash recomputed from the parent's hash and the tokens, the generation) and rebuilds the index,
 so the first Match of a prompt promotes it. After a crash the same scan runs: a torn slot fails
 a check and is dropped; a complete one is served only after its full CRC verifies.
+
+Clear: its slots' tombstones are queued like any, then `sync_drops` (off the service lock)
+waits until every write queued before it is done and fsyncs, so a crash after Clear answers
+cannot bring the namespace back. A write that fails (EIO) is retried with backoff; meanwhile
+the tier reports `state` "failing" and the error, drops new demotions (a miss, never wrong
+KV) and serves what it holds; once a retry succeeds it is "ok" again.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -41,7 +48,7 @@ from dataclasses import dataclass, field
 from gpu_pool.base import BlockPool
 from radixkv.disk.index import DiskIndex, Entry, Key
 from radixkv.disk.slots import FILE_NAME, ZERO_HASH, SlotFile, SlotMeta, chain_hash
-from radixkv.errors import IntegrityError, OutOfBlocks
+from radixkv.errors import IntegrityError, OutOfBlocks, Unavailable
 from radixkv.index.results import InsertResult
 from radixkv.kinds import Namespace
 from radixkv.tiers import MakeRoom, NoTier, Publish
@@ -54,6 +61,9 @@ WRITE_BATCH = 64  # slots per writer pass
 MAX_PENDING = 1024  # queued demotions before a demotion waits for the writer
 CHECKERS = 2  # threads checking the checksums of blocks read (xxhash releases the GIL)
 RUN_SLOTS = 4  # adjacent slots read by one os.preadv at most (4 MiB of 1 MiB blocks)
+RETRY_FIRST_S, RETRY_MAX_S = 0.05, 2.0  # a failed write's backoff: doubled up to the cap
+STOP_ATTEMPTS = 3  # a stopping tier's tries of a failing write before it gives up
+SYNC_FAILING_S = 5.0  # how long sync_drops waits on a failing writer before Unavailable
 
 
 @dataclass(slots=True, eq=False)
@@ -102,13 +112,15 @@ class DiskTier(NoTier):
         self._checkers = ThreadPoolExecutor(CHECKERS, thread_name_prefix="disk-check")
         self._counts = dict(hit_tokens=0, promoted_blocks=0, demoted_blocks=0,
                             evicted_blocks=0, verify_failures=0, loaded_blocks=0,
-                            dropped_at_load=0)
+                            dropped_at_load=0, write_errors=0)
         self._load()
         self._queue: deque[tuple[int, Entry | None]] = deque()  # (slot, entry | tombstone)
         self._cond = threading.Condition()
         self._stop = False
         self._writing = False  # the writer holds a batch it has not written yet
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the last write failed (it is retried)
+        self._last_error = ""  # the last write or fsync error, kept after a recovery
+        self._queued = self._done = 0  # writes queued, and written (or skipped), so far
         self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
         self._writer.start()
 
@@ -206,6 +218,7 @@ class DiskTier(NoTier):
             while len(self._queue) >= MAX_PENDING and not self._busy and self._error is None:
                 self._cond.wait(1.0)
             self._queue.append((slot, entry))
+            self._queued += 1
             self._cond.notify_all()
 
     def cleared(self, namespace: str, block_ids: Sequence[int]) -> int:
@@ -213,8 +226,33 @@ class DiskTier(NoTier):
             self._mem.pop(b, None)
         dropped = self.index.drop_namespace(namespace)
         for entry in dropped:
+            entry.staging = None  # a write still queued is skipped: its tombstone follows
             self._free(entry)
         return len(dropped)
+
+    def sync_drops(self) -> None:
+        """Off the service lock: wait until every write queued so far (a Clear's tombstones)
+        is done and fsynced. Unavailable if the writer keeps failing or the fsync fails."""
+        with self._cond:
+            mark, give_up = self._queued, None
+            while self._done < mark:
+                if self._error is None:
+                    give_up = None
+                elif give_up is None:
+                    give_up = time.monotonic() + SYNC_FAILING_S
+                elif time.monotonic() >= give_up:
+                    raise Unavailable(self._not_durable(self._error))
+                self._cond.wait(0.05)
+        try:
+            self.file.sync()
+        except OSError as e:
+            self._note_error(e, failing=False)  # (nothing to retry: the next write says)
+            raise Unavailable(self._not_durable(e)) from None
+
+    @staticmethod
+    def _not_durable(e: BaseException) -> str:
+        return (f"cleared in memory and in the disk index, but the disk tier cannot write "
+                f"({e}): a crash before its writes succeed may bring those blocks back")
 
     def plan(self, name: str, ns: Namespace | None, tokens: bytes,
              make_room: MakeRoom) -> Promotion | None:
@@ -427,30 +465,67 @@ class DiskTier(NoTier):
                 batch = [self._queue.popleft() for _ in range(min(WRITE_BATCH, len(self._queue)))]
                 self._writing = True
                 self._cond.notify_all()
-                slots = {slot for slot, _ in batch}
-                while any(slot in self._busy for slot in slots):  # a promotion reads one
-                    self._cond.wait()
-            try:
-                jobs: list[tuple[int, bytes, bytes | memoryview] | int] = []
-                for slot, entry in batch:
-                    payload = None if entry is None else entry.staging
-                    if entry is None:
-                        jobs.append(slot)
-                    elif payload is not None:
-                        jobs.append((slot, self.file.encode_meta(entry.meta, payload), payload))
-                self.file.write(jobs)
-            except BaseException as e:  # a full or failing disk: demotions stop with it
-                log.error("disk tier write failed: %s", e)
-                with self._cond:
-                    self._error = e
-                    self._cond.notify_all()
+            if not self._write_batch(batch):
                 return
             for _, entry in batch:
                 if entry is not None:
                     entry.staging = None
             with self._cond:
                 self._writing = False
+                self._done += len(batch)
                 self._cond.notify_all()
+
+    def _write_batch(self, batch: list[tuple[int, Entry | None]]) -> bool:
+        """Write one batch, retrying with backoff while it fails; False: the tier is stopping
+        with the disk still failing (what is queued is lost, logged)."""
+        backoff, failures = RETRY_FIRST_S, 0
+        while True:
+            with self._cond:
+                slots = {slot for slot, _ in batch}
+                while any(slot in self._busy for slot in slots):  # a promotion reads one
+                    self._cond.wait()
+            jobs: list[tuple[int, bytes, bytes | memoryview] | int] = []
+            for slot, entry in batch:
+                payload = None if entry is None else entry.staging
+                if entry is None:
+                    jobs.append(slot)
+                elif payload is not None:  # (None: cleared, or dropped, since it was queued)
+                    jobs.append((slot, self.file.encode_meta(entry.meta, payload), payload))
+            try:
+                self.file.write(jobs)
+            except Exception as e:  # noqa: BLE001 - a failing disk: retried, reported
+                self._note_error(e)
+                failures += 1
+                with self._cond:
+                    if self._stop and failures >= STOP_ATTEMPTS:
+                        log.error("disk tier stopping with writes failing: %d queued writes "
+                                  "lost (%s)", len(batch) + len(self._queue), e)
+                        self._queue.clear()
+                        self._writing = False
+                        self._cond.notify_all()
+                        return False
+                    self._cond.wait(backoff)  # (a stop wakes it)
+                backoff = min(2 * backoff, RETRY_MAX_S)
+                continue
+            if self._error is not None:
+                log.warning("disk tier writes succeed again after %d errors",
+                            self._counts["write_errors"])
+                with self._cond:
+                    self._error = None
+                    self._cond.notify_all()
+            return True
+
+    def _note_error(self, e: BaseException, failing: bool = True) -> None:
+        """A failed write (`failing`: until a retry succeeds) or fsync, counted and logged."""
+        with self._cond:
+            if self._error is None:
+                log.error("disk tier write failed (retried with backoff; demotions dropped "
+                          "meanwhile): %s", e)
+            if failing:
+                self._error = e
+            self._last_error = str(e)
+            self._counts["write_errors"] += 1
+            self._cond.notify_all()
 
     def flush(self) -> None:
         """Wait until every queued write is done, then fsync."""
@@ -466,7 +541,9 @@ class DiskTier(NoTier):
             capacity_blocks=self.index.capacity, blocks=len(self.index),
             bytes=self.index.payload_bytes,
             slot_bytes=self.file.geometry.slot_bytes,
-            pending_writes=len(self._queue), generation=self.file.generation, **self._counts)
+            pending_writes=self._queued - self._done, generation=self.file.generation,
+            state="ok" if self._error is None else "failing", last_error=self._last_error,
+            **self._counts)
 
     def check_integrity(self, cached: int) -> None:
         problem = self.index.check()
@@ -489,5 +566,8 @@ class DiskTier(NoTier):
             self._cond.notify_all()
         self._writer.join()
         self._checkers.shutdown()
-        self.file.sync()
+        try:
+            self.file.sync()
+        except OSError as e:
+            log.error("disk tier: the final fsync failed: %s", e)
         self.file.close()

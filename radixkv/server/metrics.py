@@ -123,12 +123,19 @@ class ServiceCollector(Collector):
         yield size
         yield GaugeMetricFamily("radixkv_disk_capacity_blocks", "Slots of the disk tier",
                                 value=d.capacity_blocks)
+        yield GaugeMetricFamily("radixkv_disk_up", "1 while the disk tier's writes succeed; 0 "
+                                "while they fail and are retried (new demotions dropped)",
+                                value=int(d.state == "ok"))
+        yield GaugeMetricFamily("radixkv_disk_pending_writes", "Disk tier writes queued",
+                                value=d.pending_writes)
         for name, value, what in (
                 ("demoted_blocks", d.demoted_blocks, "Blocks the pool evicted to the disk tier"),
                 ("promoted_blocks", d.promoted_blocks, "Blocks brought back from disk by a Match"),
                 ("disk_evicted_blocks", d.evicted_blocks, "Blocks dropped from a full disk tier"),
                 ("disk_verify_failures", d.verify_failures,
-                 "Disk slots that failed their checksum when read (a miss)")):
+                 "Disk slots that failed their checksum when read (a miss)"),
+                ("disk_write_errors", d.write_errors,
+                 "Disk tier writes and fsyncs that failed (each failed retry counts)")):
             yield CounterMetricFamily(f"radixkv_{name}", what, value=value)
 
 

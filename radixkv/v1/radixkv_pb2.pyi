@@ -339,7 +339,7 @@ class StatsResponse(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ..., window_blocks: _Optional[int] = ..., free_window_blocks: _Optional[int] = ..., cached_window_blocks: _Optional[int] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ...) -> None: ...
 
 class DiskStats(_message.Message):
-    __slots__ = ("capacity_blocks", "blocks", "bytes", "slot_bytes", "hit_tokens", "promoted_blocks", "demoted_blocks", "evicted_blocks", "verify_failures", "pending_writes", "loaded_blocks", "dropped_at_load", "generation")
+    __slots__ = ("capacity_blocks", "blocks", "bytes", "slot_bytes", "hit_tokens", "promoted_blocks", "demoted_blocks", "evicted_blocks", "verify_failures", "pending_writes", "loaded_blocks", "dropped_at_load", "generation", "state", "last_error", "write_errors")
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,9 @@ class DiskStats(_message.Message):
     LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_AT_LOAD_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     capacity_blocks: int
     blocks: int
     bytes: int
@@ -366,7 +369,10 @@ class DiskStats(_message.Message):
     loaded_blocks: int
     dropped_at_load: int
     generation: int
-    def __init__(self, capacity_blocks: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., verify_failures: _Optional[int] = ..., pending_writes: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., dropped_at_load: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    state: str
+    last_error: str
+    write_errors: int
+    def __init__(self, capacity_blocks: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., verify_failures: _Optional[int] = ..., pending_writes: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., dropped_at_load: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., write_errors: _Optional[int] = ...) -> None: ...
 
 class DumpTreeRequest(_message.Message):
     __slots__ = ("namespace", "max_depth", "page_size", "cursor")
