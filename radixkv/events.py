@@ -56,7 +56,6 @@ def _position_keys(block_size: int) -> npt.NDArray[np.uint64]:
     return keys * np.uint64(2) + np.uint64(1)
 
 
-@functools.lru_cache(maxsize=4096)
 def _salt(namespace: str) -> int:
     """A namespace's chain start (the hash "before" its first block)."""
     return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
@@ -112,7 +111,10 @@ class EventLog:
         self._queued: list[tuple[int, str, float, TreeEvent | None, int, str]] = []
         self._last = 0
         self._cond = threading.Condition()
-        self._hash_of: dict[str, dict[int, int]] = {}  # namespace -> block id -> hash
+        # per namespace with cached blocks, forgotten with its last block: block id -> hash,
+        # and its salt (so the log keeps no names but those of live namespaces and its buffer)
+        self._hash_of: dict[str, dict[int, int]] = {}
+        self._salt_of: dict[str, int] = {}
 
     @property
     def last_sequence(self) -> int:
@@ -151,7 +153,7 @@ class EventLog:
         at = 0
         for sequence, namespace, when, ev, key_size, tier in queued:
             if ev is None:
-                self._hash_of.pop(namespace, None)
+                self._forget(namespace)
                 self._buffer.append(KVEvent(sequence, namespace, when, "cleared"))
                 continue
             known = self._hash_of.setdefault(namespace, {})
@@ -162,7 +164,10 @@ class EventLog:
                 else:
                     mine = contents[at:at + len(ev.block_ids)]
                     at += len(ev.block_ids)
-                hashes = _chain(_salt(namespace) if parent_hash is None else parent_hash, mine)
+                if parent_hash is None and namespace not in self._salt_of:
+                    self._salt_of[namespace] = _salt(namespace)
+                start = self._salt_of[namespace] if parent_hash is None else parent_hash
+                hashes = _chain(start, mine)
                 known.update(zip(ev.block_ids, hashes, strict=True))
                 self._buffer.append(KVEvent(sequence, namespace, when, "stored", ev.block_ids,
                                             ev.parent_block_id, ev.tokens, tuple(hashes),
@@ -172,13 +177,17 @@ class EventLog:
                                             block_hashes=tuple(map(known.pop, ev.block_ids)),
                                             tier=tier))
                 if not known:  # its last block went: so did the namespace (or it will)
-                    del self._hash_of[namespace]
+                    self._forget(namespace)
             else:  # a window part came or went; the positions (full parts) stay
                 kind = "window_stored" if isinstance(ev, WindowStored) else "window_removed"
                 self._buffer.append(KVEvent(sequence, namespace, when, kind, ev.block_ids,
                                             block_hashes=tuple(map(known.__getitem__,
                                                                    ev.block_ids)),
                                             window_ids=ev.window_ids))
+
+    def _forget(self, namespace: str) -> None:
+        self._hash_of.pop(namespace, None)
+        self._salt_of.pop(namespace, None)
 
     def block_hashes(self, namespace: str) -> Mapping[int, int]:
         """Block id -> the chained hash its BlockStored event carried, for every cached block
@@ -210,11 +219,12 @@ class EventLog:
             return [self._buffer[i] for i in range(start, stop)], False
 
     def namespaces(self) -> list[str]:
-        """The namespaces whose block hashes the log keeps (those with cached blocks)."""
+        """The namespaces whose block hashes or salts the log keeps (those with cached
+        blocks)."""
         with self._cond:
             if self._queued:
                 self._hash_queued()
-            return sorted(self._hash_of)
+            return sorted(self._hash_of.keys() | self._salt_of.keys())
 
     def wake_all(self) -> None:
         """Wake blocked readers (at shutdown)."""

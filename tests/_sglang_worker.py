@@ -5,7 +5,7 @@ as the storage backend, driven by JSON commands, one per stdin line, one JSON an
     {"op": "open", "name": "a", "layout": "page_first", "socket": "...", "tp_rank": 0, ...}
     {"op": "write", "name": "a", "tokens": [...], "seed": 1}   -> pages stored, page digests
     {"op": "prefetch", "name": "a", "tokens": [...]}           -> hit / loaded tokens, digests
-    {"op": "exists" | "get" | "clear", ...}                    -> the backend called directly
+    {"op": "exists" | "get" | "set" | "clear", ...}            -> the backend called directly
     {"op": "slow_copy", "seconds": 1.5}  -> each copy out of radixkv's pool sleeps first (0: off;
                                             "to_pool": true: each copy into it)
     {"op": "slow_insert", "seconds": 1}  -> each Insert sleeps first (0: off)
@@ -110,11 +110,19 @@ class Worker:
         info = HiCacheStorageExtraInfo(prefix_keys=prefix)
         return {"exists": self.backend(name).batch_exists(keys, info)}
 
-    def get(self, name: str, keys: list[str], prefix: list[str] | None = None) -> Any:
-        """batch_get_v1 into fresh host slots: which pages loaded, and their digests."""
+    def get(self, name: str, keys: list[str], prefix: list[str] | None = None,
+            slots: list[int] | None = None) -> Any:
+        """batch_get_v1 into fresh host slots (or `slots` as given, maybe past the host pool,
+        with every host page's digest before and after): which pages loaded, their digests."""
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
         cc = self.cc[name]
+        if slots is not None:
+            every = torch.arange(cc.mem_pool_host.size)
+            before = digests(cc, every)
+            done = self.backend(name).batch_get_v1(keys, torch.tensor(slots),
+                                                   HiCacheStorageExtraInfo(prefix_keys=prefix))
+            return {"done": done, "host_before": before, "host_after": digests(cc, every)}
         slots = cc.mem_pool_host.alloc(len(keys) * cc.page_size)
         try:
             start = time.monotonic()
@@ -126,6 +134,18 @@ class Worker:
                     "seconds": seconds}
         finally:
             cc.mem_pool_host.free(slots)
+
+    def set(self, name: str, keys: list[str], slots: list[int], seed: int = 0) -> Any:
+        """batch_set_v1 of `keys` from host `slots` as given (maybe past the host pool; those
+        inside it are filled first): what it answered, and the digests of the pages inside."""
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+        cc = self.cc[name]
+        at = torch.tensor(slots)
+        inside = at[(at >= 0) & (at < cc.mem_pool_host.size)]
+        h.fill(cc, inside, seed)
+        done = self.backend(name).batch_set_v1(keys, at, HiCacheStorageExtraInfo(prefix_keys=[]))
+        return {"done": done, "pages": digests(cc, inside)}
 
     def slow_copy(self, seconds: float, to_pool: bool = False) -> dict[str, Any]:
         """A copy out of radixkv's pool (into it: `to_pool`) that takes `seconds` longer (it

@@ -1,8 +1,11 @@
 """State that must not grow with use: a lease pins each path once however often it inserts
 (against a real server, and as an invariant over random request sequences), and the event
-log keeps no block hashes for namespaces that are gone."""
+log keeps no block hashes, salts or names for namespaces that are gone."""
 
 from __future__ import annotations
+
+import gc
+import tracemalloc
 
 import numpy as np
 from _kv import BS, fill, make_service, toks
@@ -88,4 +91,31 @@ def test_event_log_forgets_dropped_namespaces():
         assert len(live) <= 64
         assert set(svc.events.namespaces()) <= live
     finally:
+        svc.pool.close()
+
+
+def test_dropped_namespaces_leave_nothing_behind():
+    """3,000 namespaces of 250-character names, each stored once and left to eviction (clients
+    with short-lived namespaces): the second 1,500 leave the heap where the first left it, and
+    only live namespaces have per-namespace state (the log once kept each name it hashed)."""
+    svc = make_service(num_blocks=64, lease_ttl_s=60, event_buffer=64, recent_window=16)
+
+    def churn(start: int, stop: int) -> int:
+        for i in range(start, stop):
+            fill(svc, f"{i:06d}".ljust(250, "n"), toks(*range(2 * BS)))
+        svc.events.read(0)  # hash whatever is queued
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0]
+
+    tracemalloc.start()
+    try:
+        grown = -churn(0, 1500) + churn(1500, 3000)
+        live = set(svc.namespaces())
+        assert len(live) <= 32 and set(svc.events.namespaces()) <= live
+        assert len({e.namespace for e in svc.events.read(0)[0]}) <= 64  # the buffer's events
+        svc.check_integrity()  # per-client lease counts included
+        assert svc.stats().live_leases == 0
+        assert grown < 32_000, f"the heap grew {grown} B over 1,500 dropped namespaces"
+    finally:
+        tracemalloc.stop()
         svc.pool.close()

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -229,3 +233,32 @@ def test_a_plan_reaching_outside_a_page_or_block_is_refused():
                        (fine[:9], "the plan ends early")):
         with pytest.raises(RuntimeError, match=match):
             ops.copy_pages([kv], pool, ids, ids, bad, False)
+
+
+OVERFLOWING = textwrap.dedent("""
+    import torch
+    from radixkv.integrations import pages_kernel
+    kv = torch.zeros(2, 1, 16, 32, dtype=torch.float16)
+    pool = torch.zeros(2, 1, 2, 16, 1, 16, dtype=torch.float16)
+    ids = torch.tensor([0, 1])
+    v = [16, 256, 256, 1, 16, 16, 16]
+    for k in ([16, 0, 0, 1, 2**62 + 1, 8, 8], [2**62, 0, 0, 0], [16, 0, 0, 1, 2**40, 0, 0]):
+        try:
+            pages_kernel.ops().copy_pages([kv], pool, ids, ids, k + v, False)
+        except RuntimeError as e:
+            print(str(e).splitlines()[0])
+""")
+
+
+def test_a_plan_whose_arithmetic_overflows_is_refused():
+    """A loop of 2**62 + 1 x 16 B wraps int64 to an extent that fits, a unit of 2**62 elements
+    wraps its bytes, 2**40 passes of one 32-byte unit stay in bounds: each is refused with a
+    message (in a subprocess, where a crash shows as a signal), nothing run."""
+    out = subprocess.run([sys.executable, "-c", OVERFLOWING], capture_output=True, text=True,
+                         timeout=120, env={**os.environ,
+                                           "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, f"exited {out.returncode}:\n{out.stderr[-2000:]}"
+    assert out.stdout.splitlines() == [
+        "copy_pages: the plan overflows (4611686018427387904 x 16)",
+        "copy_pages: the plan overflows (4611686018427387904 x 2)",
+        "copy_pages: the plan moves 35184372088832 bytes per half, more than a block's 1024"]

@@ -303,3 +303,33 @@ def test_radixkv_killed_mid_prefetch(workers: dict[str, Worker]) -> None:
             got = b("prefetch", name="kill", tokens=seq)
             assert got["loaded"] == len(seq) and got["pages"] == wrote["pages"]
     no_errors(a, b)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_host_slots_past_the_host_pool_are_refused(workers: dict[str, Worker],
+                                                   layout: str) -> None:
+    """An 8-page host pool (32 slots): a set whose second page's slots lie past it stores the
+    first page only ([True, False]); a get into slots past it, or not page-aligned, loads the
+    first page only and writes no host page but the first's."""
+    a, b = workers["A"], workers["B"]
+    name = f"range-{layout}"
+    with running_server(num_blocks=16) as server:
+        for w in (a, b):
+            w("open", name=name, layout=layout, socket=server.socket,
+              geometry={"host_pages": 8})
+        keys = a("keys", name=name, tokens=tokens(7000, 2))["keys"]
+        wrote = a("set", name=name, keys=keys, slots=[28, 29, 30, 31, 32, 33, 34, 35], seed=4)
+        assert wrote["done"] == [True, False]
+        assert a("stats", name=name)["stats"]["bad_slot_pages"] == 1  # its Insert answered
+        (n,) = leases_back_to(server.socket, 0)["namespaces"]
+        assert n["cached_blocks"] == 1
+        for slots in ([28, 29, 30, 31, 32, 33, 34, 35], [0, 1, 2, 3, 6, 7, 8, 9]):
+            got = b("get", name=name, keys=keys, slots=slots)
+            assert got["done"] == [True, False]
+            first = slots[0] // PAGE
+            assert got["host_after"][first] == wrote["pages"][0]  # A's page, into B's slots
+            assert [d for i, d in enumerate(got["host_after"]) if i != first] == \
+                [d for i, d in enumerate(got["host_before"]) if i != first]
+        errors = a("errors")["errors"] + b("errors")["errors"]
+        assert len(errors) == 2 and all("not whole pages" in e for e in errors), errors
+        leases_back_to(server.socket, 0)

@@ -174,16 +174,38 @@ Tile tile_for(int64_t unit, const Loop& a, const Loop& b) {
   return tile_scalar_for(unit);
 }
 
+// Plan arithmetic that refuses to wrap (a plan is checked whatever the caller passes).
+int64_t mul(int64_t a, int64_t b) {
+  int64_t out;
+  TORCH_CHECK(!__builtin_mul_overflow(a, b, &out), "copy_pages: the plan overflows (", a,
+              " x ", b, ")");
+  return out;
+}
+
+int64_t add(int64_t a, int64_t b) {
+  int64_t out;
+  TORCH_CHECK(!__builtin_add_overflow(a, b, &out), "copy_pages: the plan overflows (", a,
+              " + ", b, ")");
+  return out;
+}
+
 // The bytes a half reaches from its offset on one side (page: dst of a load, src of a save).
 int64_t extent(const Half& h, bool page_side, bool to_pool) {
-  int64_t end = (page_side ? h.page_off : h.canon_off) + h.unit;
+  int64_t end = add(page_side ? h.page_off : h.canon_off, h.unit);
   for (const Loop& l : h.loops) {
     int64_t stride = (page_side != to_pool) ? l.dst : l.src;
     TORCH_CHECK(l.size >= 1 && stride >= 0, "copy_pages: a loop of size ", l.size,
                 " and stride ", stride);
-    end += (l.size - 1) * stride;
+    end = add(end, mul(l.size - 1, stride));
   }
   return end;
+}
+
+// The bytes a half moves (its units times every loop's size).
+int64_t moved(const Half& h) {
+  int64_t out = h.unit;
+  for (const Loop& l : h.loops) out = mul(out, l.size);
+  return out;
 }
 
 std::vector<Half> decode(c10::IntArrayRef plan, int64_t elem, bool to_pool) {
@@ -195,15 +217,15 @@ std::vector<Half> decode(c10::IntArrayRef plan, int64_t elem, bool to_pool) {
   };
   for (int half = 0; half < 2; ++half) {
     Half h;
-    h.unit = next() * elem;
-    h.page_off = next() * elem;
-    h.canon_off = next() * elem;
+    h.unit = mul(next(), elem);
+    h.page_off = mul(next(), elem);
+    h.canon_off = mul(next(), elem);
     int64_t n = next();
     TORCH_CHECK(h.unit > 0 && h.page_off >= 0 && h.canon_off >= 0 && n >= 0 && n <= 32,
                 "copy_pages: a unit of ", h.unit, " bytes, offsets ", h.page_off, " and ",
                 h.canon_off, ", ", n, " loops");
     for (int64_t i = 0; i < n; ++i) {
-      int64_t size = next(), page = next() * elem, canon = next() * elem;
+      int64_t size = next(), page = mul(next(), elem), canon = mul(next(), elem);
       h.loops.push_back(to_pool ? Loop{size, canon, page} : Loop{size, page, canon});
     }
     while (h.loops.size() < 3) h.loops.insert(h.loops.begin(), Loop{1, 0, 0});
@@ -282,6 +304,8 @@ void copy_pages(const std::vector<at::Tensor>& layers, const at::Tensor& pool,
       TORCH_CHECK(extent(h, true, to_pool) <= page_bytes &&
                       extent(h, false, to_pool) <= block_bytes,
                   "copy_pages: the plan reaches beyond a page or a block");
+      TORCH_CHECK(moved(h) <= block_bytes, "copy_pages: the plan moves ", moved(h),
+                  " bytes per half, more than a block's ", block_bytes);
     }
   }
   for (int64_t i = 0; i < n; ++i) {

@@ -109,11 +109,12 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                       "set_failed_pages": 0, "unavailable": 0, "get_held_leases": 0,
                       "get_leases_lost": 0, "get_releases_nowait": 0,
                       "get_releases_waited": 0, "release_failures": 0,
-                      "set_insert_failed_pages": 0}
+                      "set_insert_failed_pages": 0, "bad_slot_pages": 0}
         self._insert_errors_logged: set[str] = set()
         self.margin_s = float(extra.get("release_margin_s", 0.1))
         self._default_ttl: dict[str, float] = {}  # pool epoch -> the TTL a Match of 0 gets
         self._warned_prefix = False
+        self._warned_slots = False
         self.hold_s = float(extra.get("exists_hold_s", 5.0))  # within radixkv's TTL cap
         self.held = HeldLeases(self.hold_s)
         self.releaser = Releaser(self._release_failed, "radixkv-sglang-release")
@@ -203,6 +204,10 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         out = [False] * len(keys)
         if path is None or self.pages is None:
             return out
+        starts = self._page_starts(host_indices, len(keys))
+        if not len(starts):
+            return out
+        path = path[:skip + len(starts)]  # a page past SGLang's host pool, and those after it
 
         def run(client: Client) -> int:
             held, stale = self.held.take(path, skip)
@@ -219,9 +224,8 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             blocks = m.block_ids[skip:len(path)]
             try:
                 mapping = client.pool_of(m.epoch)
-                slots = host_indices[:len(blocks) * self.mem_pool_host.page_size]
                 assert self.pages is not None
-                self.pages.copy(self.mem_pool_host.kv_buffer, self._starts(slots),
+                self.pages.copy(self.mem_pool_host.kv_buffer, starts[:len(blocks)],
                                 mapping.view(), blocks, to_pool=False)
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -257,6 +261,12 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         path, skip = self._path(keys, extra_info)
         if path is None or self.pages is None:
             return [False] * len(keys)
+        starts = self._page_starts(host_indices, len(keys))
+        stored = len(starts)  # a page past SGLang's host pool, and those after it: False
+        if not stored:
+            self.stats["set_failed_pages"] += len(keys)
+            return [False] * len(keys)
+        path = path[:skip + stored]
 
         def run(client: Client) -> list[bool]:
             m = self._match(client, path, store=True)
@@ -271,20 +281,18 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                 # cached already count), or every page is cached
                 self._release(client, [m])
                 cached = max(0, have - skip)
-                return [True] * cached + [False] * (len(keys) - cached)
-            page = self.mem_pool_host.page_size
-            slots = host_indices[(have - skip) * page:len(keys) * page]
+                return [True] * cached + [False] * (stored - cached)
             assert self.pages is not None
             view = client.pool_of(m.epoch).view()
-            self.pages.copy(self.mem_pool_host.kv_buffer, self._starts(slots), view, ids,
+            self.pages.copy(self.mem_pool_host.kv_buffer, starts[have - skip:], view, ids,
                             to_pool=True)
             if view.is_cuda:  # the host slots are SGLang's again once we answer
                 torch.cuda.synchronize(view.device)
             self._insert(client, path, m, m.block_ids + ids, len(ids))
-            return [True] * len(keys)
+            return [True] * stored
 
         start = time.perf_counter()
-        done = self._call(run, [False] * len(keys))
+        done = self._call(run, [False] * stored) + [False] * (len(keys) - stored)
         self._record("backup", done.count(True), time.perf_counter() - start)
         self.stats["set_failed_pages"] += done.count(False)
         return done
@@ -484,9 +492,28 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             self._metrics[f"{what}_pgs"].append(pages)
             self._metrics[f"{what}_bandwidth"].append(pages * page_bytes / seconds / 1e9)
 
-    def _starts(self, slots: torch.Tensor) -> torch.Tensor:
-        """The first slot of each page in `slots`."""
-        return slots[::self.mem_pool_host.page_size].to(torch.long)
+    def _page_starts(self, host_indices: torch.Tensor, pages: int) -> torch.Tensor:
+        """The first slot of each of the leading `pages` pages of `host_indices` (page_size
+        slots each), up to the first page not whole, aligned and inside SGLang's host pool
+        (that one and those after it are left out, logged once and counted)."""
+        page = self.mem_pool_host.page_size
+        direct = self.pages is not None and self.pages.layout == "page_first_direct"
+        tokens = self.mem_pool_host.kv_buffer.shape[1] * (page if direct else 1)
+        whole = min(pages, len(host_indices) // page)
+        slots = host_indices[:whole * page].to(torch.long).cpu().view(whole, page)
+        starts = slots[:, 0]
+        bad = ((starts < 0) | (starts % page != 0) | (starts > tokens - page)
+               | (slots != starts[:, None] + torch.arange(page)).any(1)).nonzero()
+        good = int(bad[0]) if len(bad) else whole
+        if good < pages:
+            self.stats["bad_slot_pages"] += pages - good
+            if not self._warned_slots:
+                self._warned_slots = True
+                log.error("radixkv: SGLang gave host slots that are not whole pages of its "
+                          "%d-slot host pool (page %d of %d: %s); that page and those after it "
+                          "are not copied (logged once)", tokens, good, pages,
+                          host_indices[good * page:(good + 1) * page].tolist())
+        return starts[:good]
 
     def _call(self, fn: Callable[[Client], T], failed: T) -> T:
         """`fn` through the link; `failed` when radixkv is unusable or the call fails."""
