@@ -222,3 +222,58 @@ def test_scheduler_with_an_unwritable_stats_file_keeps_matching(
     finally:
         link.close()
         server.stop()
+
+
+# ---- in a real vLLM engine -------------------------------------------------------------------
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_after_a_restart_with_more_layers_loads_nothing(tmp_path: Path) -> None:
+    """A vLLM engine (the real 30-layer model) whose radixkv restarts on the same socket with
+    60 layers, holding the prompt's 3 blocks: the request misses (no 60-layer KV loaded into
+    the engine's 30 layers), the log says why, and the answer is the full prefill's."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash scripts/bootstrap_vllm`")
+    from radixkv.engines import models
+    from radixkv.integrations.vllm_driver import Driver
+
+    model = Path(models.ensure_converted(models.get_spec(models.REAL_MODEL))[0])
+    config = json.loads((model / "config.json").read_text())
+    (tmp_path / "deeper.json").write_text(json.dumps(dict(config, num_hidden_layers=60)))
+    sock, block = str(tmp_path / "s.sock"), 128
+    ns = f"vllm:{model}@main/bf16"  # the engine's namespace (base_namespace)
+    prompt = [100 + (i * 104729) % 40000 for i in range(3 * block + 20)]
+
+    def serve_model(path: Path) -> ServerProcess:
+        return start_server(sock, "--model-config", str(path), "--dtype", "bf16",
+                            "--block-size", str(block), "--num-blocks", "8")
+
+    server = serve_model(model / "config.json")
+    engine = None
+    try:
+        engine = Driver(str(VLLM_PYTHON), str(model), tmp_path / "vllm.log",
+                        {"kv_connector": "RadixKVConnector",
+                         "kv_connector_module_path": "radixkv.integrations.vllm",
+                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {"socket": sock}},
+                        "0", ("--no-prefix-cache",))
+        server.stop()
+        server = serve_model(tmp_path / "deeper.json")
+        with Client(sock, client_id="other") as c:
+            m = c.match(ns, prompt[:3 * block], 60.0, STORE_ALL)
+            c.pool_of(m.epoch).view()[list(m.new_block_ids)] = 0.5
+            c.insert(ns, prompt[:3 * block], m.new_block_ids, m.lease_id, release=True)
+        r = engine.generate(prompt)
+        assert r["cached"] == [0]
+        assert "does not fit this vLLM model's KV" in engine.stderr()
+        with Client(sock) as c:
+            assert c.match(ns, prompt[:3 * block]).num_tokens == 3 * block
+            assert sum(ns["cached_blocks"] for ns in c.stats()["namespaces"]) == 3  # no save
+    finally:
+        if engine is not None:
+            engine.close()
+        server.stop()
