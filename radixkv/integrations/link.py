@@ -3,13 +3,15 @@
 Every call goes through `Link.call`: a radixkv that is absent, killed or restarting turns into
 `Down` (the caller treats it as a cache miss), logged once per outage as a warning, and retried
 no sooner than `retry_s` later so that a dead service costs no time per request. Each time the
-service is (re)reached, its pool layout is checked against the engine's (`check`): a mismatch
-at the first contact raises LayoutMismatch (refuse to start); later it is logged and the link
-stays down (the engine keeps serving without the cache).
+service is (re)reached, and before the first answer of a new pool epoch is used
+(`check_answer`), its pool layout is checked against the engine's (`check`): a mismatch at the
+first contact raises LayoutMismatch (refuse to start); later it is logged and the link stays
+down (the engine keeps serving without the cache).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -133,6 +135,26 @@ class Link:
             self._checked_epoch = None
             return True
         return False
+
+    def check_answer(self, client: Client, epoch: str,
+                     release: Callable[[], object] | None = None) -> None:
+        """Inside `call`, before an answer of pool epoch `epoch` is used (loaded from, saved
+        into): if that pool's layout was not checked yet, check it now. LayoutMismatch (the
+        link then refuses) or Down (radixkv restarted again meanwhile), after `release()`."""
+        if epoch == self._checked_epoch:
+            return
+        self.note_epoch(epoch)
+        try:
+            self._check(client)
+            client.check_epoch()
+            if client.epoch != epoch:  # the layout checked may not be that epoch's
+                raise Down(f"radixkv restarted again (pool epoch {epoch} -> {client.epoch})")
+        except BaseException:
+            if release is not None:
+                with contextlib.suppress(Exception):
+                    release()
+            raise
+        self._checked_epoch = epoch
 
     def confirm_epoch(self, epoch: str) -> None:
         """The caller checked the layout of pool epoch `epoch` itself (after `note_epoch`)."""

@@ -74,7 +74,7 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         layout = engine_layout(vllm_config)
         flags = serve_flags(vllm_config, layout)
-        stats = Stats(extra.get("stats_file"))
+        self._stats = stats = Stats(extra.get("stats_file"), log)
         is_scheduler = role == KVConnectorRole.SCHEDULER
         self._link = Link(
             extra.get("socket"), f"vllm-{self._kv_transfer_config.engine_id}",
@@ -140,6 +140,7 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._worker is not None:
             self._worker.close()
         self._link.close()
+        self._stats.close()
 
     # ---- scheduler side ----------------------------------------------------------------------
 

@@ -12,8 +12,11 @@ radixkv down, restarting or refusing is a miss (`link.Down`), never an error.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -23,6 +26,7 @@ from typing import Any
 from gpu_pool.layout import KVLayout
 from radixkv.client import STORE_ALL, Client
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
+from radixkv.types import LeaseMatch
 
 DTYPES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
@@ -110,19 +114,58 @@ def request_namespace(base: str, request: Any) -> str:
     return ns
 
 
-class Stats:
-    """Optional JSON lines of the connector's own costs (`stats_file` in the extra config)."""
+def open_own(path: str) -> int:
+    """An fd appending to `path`, a regular file of this user's own (created 0600), never
+    opened through a symbolic link (OSError otherwise)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, "it is a symbolic link (not followed)") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise OSError(errno.EPERM, f"not a regular file of uid {os.geteuid()}'s own")
+    return fd
 
-    def __init__(self, path: str | None) -> None:
+
+class Stats:
+    """Optional JSON lines of the connector's own costs (`stats_file` in the extra config); a
+    file that cannot be written is one warning, then no more lines (never an error)."""
+
+    def __init__(self, path: str | None, logger: logging.Logger | None = None) -> None:
         self.path = path
+        self.log = logger or logging.getLogger("radixkv.integrations")
+        self._fd: int | None = None
         self._lock = threading.Lock()
 
     def record(self, **fields: Any) -> None:
         if not self.path:
             return
-        line = json.dumps(fields) + "\n"
-        with self._lock, open(self.path, "a") as f:
-            f.write(line)
+        line = (json.dumps(fields) + "\n").encode()
+        with self._lock:
+            if not self.path:
+                return
+            try:
+                if self._fd is None:
+                    self._fd = open_own(self.path)
+                os.write(self._fd, line)
+            except OSError as e:
+                self.log.warning("radixkv: cannot write the connector's stats_file %s (%s); "
+                                 "no more stats are written", self.path, e.strerror or e)
+                self.path = None
+                self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
 
 
 class SchedulerSide:
@@ -143,6 +186,15 @@ class SchedulerSide:
         except Down:
             pass  # its TTL ends it
 
+    def _match(self, ns: str, tokens: list[int], store: int = 0) -> LeaseMatch:
+        """Match (Down: a miss); the layout of a pool epoch new to the link is checked before
+        the answer is used (a mismatch: the lease released, the link refuses, Down)."""
+        def run(c: Client) -> LeaseMatch:
+            m = c.match(ns, tokens, self.lease_ttl, store)
+            self.link.check_answer(c, m.epoch, lambda: c.release(m.lease_id))
+            return m
+        return self.link.call(run)
+
     def matched(self, request: Any, num_computed: int) -> int:
         """Tokens beyond `num_computed` that radixkv holds for this request (whole blocks,
         never the last token); the lease stays pending until `after_alloc`."""
@@ -158,10 +210,9 @@ class SchedulerSide:
         query = list(tokens[:limit])
         t0 = time.perf_counter()
         try:
-            m = self.link.call(lambda c: c.match(ns, query, self.lease_ttl))
+            m = self._match(ns, query)
         except Down:
             return 0
-        self.link.note_epoch(m.epoch)
         self.stats.record(side="scheduler", op="match", req=request.request_id,
                           s=time.perf_counter() - t0, tokens=limit, hit=m.num_tokens)
         found = min(m.num_tokens, limit)
@@ -210,10 +261,9 @@ class SchedulerSide:
         store = [int(t) for t in tokens[:n_full * b]]
         t0 = time.perf_counter()
         try:
-            m = self.link.call(lambda c: c.match(ns, store, self.lease_ttl, STORE_ALL))
+            m = self._match(ns, store, STORE_ALL)
         except Down:
             return False
-        self.link.note_epoch(m.epoch)
         k, new = len(m.block_ids), m.new_block_ids
         self.stats.record(side="scheduler", op="store_match", req=request.request_id,
                           s=time.perf_counter() - t0, cached_blocks=k, new_blocks=len(new))

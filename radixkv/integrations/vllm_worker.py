@@ -95,12 +95,15 @@ class WorkerSide:
         return self._pages
 
     def _mapping(self, client: Client, epoch: str) -> Any:
+        """The pool of `epoch` (StalePool: gone), its layout checked if it is new to the link
+        (LayoutMismatch: nothing is copied, the link refuses)."""
         try:
-            return client.pool_of(epoch)
+            mapping = client.pool_of(epoch)
         except StalePool:
-            if client.check_epoch():  # the scheduler saw the new epoch first: map it
-                self.link.note_epoch(epoch)
-            return client.pool_of(epoch)  # still StalePool: the lease's pool is gone
+            client.check_epoch()  # the scheduler saw the new epoch first: map it
+            mapping = client.pool_of(epoch)  # still StalePool: the lease's pool is gone
+        self.link.check_answer(client, epoch)
+        return mapping
 
     def _sync(self) -> None:
         if self.layers and self.layers[0].is_cuda:
