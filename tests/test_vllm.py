@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from radixkv.client import Client
+from radixkv.client import STORE_ALL, Client
 from radixkv.integrations.vllm_driver import Driver
 from radixkv.server.launch import ServerProcess, start_server
 
@@ -75,9 +75,9 @@ class World:
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"socket": self.socket, "retry_s": 0.5}}
 
-    def serve(self, *flags: str) -> ServerProcess:
-        self.server = start_server(self.socket, "--model-config",
-                                   str(Path(self.model) / "config.json"), "--dtype", "bf16",
+    def serve(self, *flags: str, config: str | None = None) -> ServerProcess:
+        config = config or str(Path(self.model) / "config.json")
+        self.server = start_server(self.socket, "--model-config", config, "--dtype", "bf16",
                                    "--block-size", str(BLOCK), "--num-blocks", "96", *flags)
         return self.server
 
@@ -320,6 +320,30 @@ def test_radixkv_restarted_new_epoch_hits_again(world: World) -> None:
     rb = world.b.generate(p)
     assert rb["cached"] == ra["cached"] == [4 * BLOCK] and rb["outputs"] == ra["outputs"]
     assert "is back" in world.b.stderr()
+
+
+def test_a_restart_with_more_layers_loads_nothing(world: World) -> None:
+    """radixkv restarts on the same socket with 60 layers (the model has 30), holding a prompt's
+    3 blocks: B's request misses (no 60-layer KV loaded into its 30 layers), its log says why,
+    and it saves nothing into that pool. Last of the `world` tests: B's link now refuses."""
+    assert world.b is not None and world.server is not None
+    config = json.loads((Path(world.model) / "config.json").read_text())
+    deeper = world.dir / "deeper.json"
+    deeper.write_text(json.dumps(dict(config, num_hidden_layers=60)))
+    world.server.stop()
+    world.serve(config=str(deeper))
+    ns = f"vllm:{world.model}@main/bf16"  # the engine's namespace (base_namespace)
+    p = prompt(41, 3 * BLOCK + 20)
+    with Client(world.socket, client_id="other") as c:
+        m = c.match(ns, p[:3 * BLOCK], 60.0, STORE_ALL)
+        c.pool_of(m.epoch).view()[list(m.new_block_ids)] = 0.5
+        c.insert(ns, p[:3 * BLOCK], m.new_block_ids, m.lease_id, release=True)
+    r = world.b.generate(p)
+    assert r["cached"] == [0]
+    assert "does not fit this vLLM model's KV" in world.b.stderr()
+    with world.client() as c:
+        assert c.match(ns, p[:3 * BLOCK]).num_tokens == 3 * BLOCK
+    assert world.cached_blocks() == 3  # B saved nothing into the 60-layer pool
 
 
 def test_layout_mismatch_is_refused(model_dir: str, tmp_path: Path) -> None:
