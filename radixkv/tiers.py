@@ -7,6 +7,8 @@ The service calls these, under its lock except `read`, and never asks which tier
     apply      those blocks; then (under the lock again, before the Match reads the tree)
                insert them in the tree; `abandon` undoes a plan whose Match failed
     demote     pool blocks the policy evicted, before they go back to the free list
+    take_dropped  blocks it dropped that the events had marked as below the pool (published)
+    promoting  whether a promotion into a namespace is in flight (Clear waits for it)
     inserted   blocks an Insert adopted (the tier learns their keys; a copy below is dropped)
     cleared    a namespace's blocks dropped by Clear
     stats      its figures; check_integrity its invariants
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from radixkv.index.results import InsertResult
     from radixkv.kinds import Namespace
 
-MakeRoom = Callable[[int, int], int]  # (blocks, sink blocks) -> blocks evicted; OutOfBlocks
+MakeRoom = Callable[[int, int], int]  # (regular, sink blocks) -> blocks evicted; OutOfBlocks
 Publish = Callable[[str], None]  # publish a namespace's queued tree events
 
 
@@ -55,8 +57,18 @@ class NoTier:
         nor cached, and no tree points at them."""
         return 0
 
-    def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
-        """`block_ids` (still holding their KV) leave the pool."""
+    def demote(self, namespace: str, block_ids: Sequence[int],
+               hashes: Sequence[int | None] = ()) -> None:
+        """`block_ids` (still holding their KV; `hashes`: their event hashes) leave the pool."""
+
+    def take_dropped(self) -> list[tuple[str, int]]:
+        """(namespace, event hash) of each block demoted here since dropped, since the last
+        call: the service publishes a BlockRemoved for them."""
+        return []
+
+    def promoting(self, namespace: str) -> bool:
+        """A Match is bringing blocks of `namespace` up from this tier now."""
+        return False
 
     def inserted(self, namespace: str, tokens: bytes, block_ids: Sequence[int],
                  result: InsertResult) -> None:
