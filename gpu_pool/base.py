@@ -37,7 +37,8 @@ class BlockPool(Slab):
 
     The last `num_sink_blocks` ids are the sink region (quantized layouts with sink tokens): a
     sink block can hold any block, a regular one cannot hold a sequence's first block. `alloc(n,
-    sinks=s)` takes s sink blocks first, then regular ones, falling back to sink blocks.
+    sinks=s)` takes s sink blocks first, then regular ones, falling back to sink blocks (not
+    with `exact`: a block whose bytes exist already needs a block of their format).
 
     A sliding-window layout's pool: the last `num_window_blocks` ids are window parts, the
     first `num_full_blocks` full parts (the module notes). `alloc` hands out full parts and
@@ -109,9 +110,10 @@ class BlockPool(Slab):
             raise InvalidArgument(f"block id {i} out of range 0..{self.num_blocks - 1}")
         return bool(self._is_free[i])
 
-    def alloc(self, n: int, sinks: int = 0) -> list[int]:
+    def alloc(self, n: int, sinks: int = 0, exact: bool = False) -> list[int]:
         """Take `n` >= 1 free blocks (oldest-freed first), the first `sinks` of them from the
-        sink region. OutOfBlocks when fewer are free."""
+        sink region (with `exact`, the rest from the regular region only). OutOfBlocks when
+        fewer are free."""
         n = as_index(n, "n")
         sinks = as_index(sinks, "sinks")
         if n <= 0:
@@ -128,6 +130,9 @@ class BlockPool(Slab):
             if n > self.num_free:
                 raise OutOfBlocks(f"asked {n} blocks, {self.num_free} free of "
                                   f"{self.num_full_blocks}")
+            if exact and n - sinks > len(self._free):
+                raise OutOfBlocks(f"asked {n - sinks} regular blocks, {len(self._free)} free "
+                                  f"of {self.num_regular_blocks}")
             ids = [self._free_sink.popleft() for _ in range(sinks)]
             regular = min(n - sinks, len(self._free))
             ids += [self._free.popleft() for _ in range(regular)]

@@ -44,6 +44,13 @@ class KVEvent:
     tier: str = ""  # removed: "disk" when the blocks left the pool for the disk tier below it
 
 
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """A block the tier below the pool dropped (queued like a tree event)."""
+
+    block_hashes: tuple[int, ...]
+
+
 _P = 0x9E3779B97F4A7C15  # the chain's multiplier (odd)
 _MASK = (1 << 64) - 1
 
@@ -108,7 +115,7 @@ class EventLog:
         self.capacity = capacity
         self._buffer: deque[KVEvent] = deque(maxlen=capacity)
         # (sequence, namespace, time, event (None: cleared), key size (0: token-keyed), tier)
-        self._queued: list[tuple[int, str, float, TreeEvent | None, int, str]] = []
+        self._queued: list[tuple[int, str, float, TreeEvent | Dropped | None, int, str]] = []
         self._last = 0
         self._cond = threading.Condition()
         # per namespace with cached blocks, forgotten with its last block: block id -> hash,
@@ -134,6 +141,22 @@ class EventLog:
                 self._hash_queued()
             self._cond.notify_all()
 
+    def publish_dropped(self, dropped: Iterable[tuple[str, int]]) -> None:
+        """BlockRemoved for the (namespace, event hash) pairs the tier below the pool dropped,
+        one event per namespace: no pool ids (they had none), their hashes, an empty tier:
+        gone."""
+        by_ns: dict[str, list[int]] = {}
+        for namespace, block_hash in dropped:
+            by_ns.setdefault(namespace, []).append(block_hash)
+        if not by_ns:
+            return
+        with self._cond:
+            now = time.time()
+            for namespace, hashes in by_ns.items():
+                self._last += 1
+                self._queued.append((self._last, namespace, now, Dropped(tuple(hashes)), 0, ""))
+            self._cond.notify_all()
+
     def publish_cleared(self, namespace: str) -> None:
         """AllBlocksCleared for one namespace: its block hashes are forgotten."""
         with self._cond:
@@ -155,6 +178,10 @@ class EventLog:
             if ev is None:
                 self._forget(namespace)
                 self._buffer.append(KVEvent(sequence, namespace, when, "cleared"))
+                continue
+            if isinstance(ev, Dropped):
+                self._buffer.append(KVEvent(sequence, namespace, when, "removed",
+                                            block_hashes=ev.block_hashes))
                 continue
             known = self._hash_of.setdefault(namespace, {})
             if isinstance(ev, BlockStored):

@@ -69,11 +69,12 @@ class Reclaimer:
         return ns.stored(o, ids, wids, need, end, num_evicted)
 
     def make_room(self, num_blocks: int, keep: Namespace | None = None, sinks: int = 0,
-                  windows: int = 0) -> int:
-        """Evict until `num_blocks` are free, `sinks` of them sink blocks, and `windows` window
-        parts. Raises OutOfBlocks, evicting nothing, when even that cannot make room (a search
-        for a sink block or window part keeps what it evicted). Namespaces left empty are
-        dropped, except `keep` (about to get a lease). Returns the blocks evicted."""
+                  windows: int = 0, regular: int = 0) -> int:
+        """Evict until `num_blocks` are free, `sinks` of them sink blocks and `regular` of them
+        regular ones (a promotion's blocks keep their format), and `windows` window parts.
+        Raises OutOfBlocks, evicting nothing, when even that cannot make room (a search for a
+        sink or regular block or a window part keeps what it evicted). Namespaces left empty
+        are dropped, except `keep` (about to get a lease). Returns the blocks evicted."""
         evicted = 0
         if windows:
             evicted += self._evict_windows_for(windows, keep)
@@ -86,6 +87,13 @@ class Reclaimer:
                     f"no sink block for a sequence's first block: all "
                     f"{pool.num_sink_blocks} are leased or pinned (serve with a larger "
                     f"--kv-sink-fraction)") from None
+        while pool.num_free - pool.num_free_sink < regular:
+            try:
+                evicted += self._evict_for(pool.num_free + 1, keep)
+            except OutOfBlocks:
+                raise OutOfBlocks(
+                    f"no regular block: {pool.num_free - pool.num_free_sink} free of "
+                    f"{pool.num_regular_blocks}, the rest leased or pinned") from None
         return evicted + self._evict_for(num_blocks, keep)
 
     def _evict_windows_for(self, windows: int, keep: Namespace | None) -> int:
@@ -138,10 +146,13 @@ class Reclaimer:
                         break
             demoted = ns.tiered and self.tier.present
             if demoted:
-                self.tier.demote(ns.name, freed)
+                known = self.events.block_hashes(ns.name)
+                self.tier.demote(ns.name, freed, [known.get(b) for b in freed])
             self.pool.free(freed)
             events, count = ns.evicted(freed)
             self.events.publish(ns.name, events, tier="disk" if demoted else "")
+            if demoted:  # after the demotion's own events: it may have dropped what it marked
+                self.events.publish_dropped(self.tier.take_dropped())
             ns.life.evicted_blocks += count
             evicted += count
             if ns is not keep:

@@ -48,6 +48,7 @@ from typing import Any
 
 from gpu_pool.base import BlockPool, PoolHandle
 from radixkv.errors import (
+    FailedPrecondition,
     IntegrityError,
     InvalidArgument,
     NotFound,
@@ -155,6 +156,7 @@ class KVService:
                 ns.num_leases += 1
                 if plan is not None:  # blocks read from the tier below go in first
                     self._tier.apply(ns, plan, self._publish)
+                    self.events.publish_dropped(self._tier.take_dropped())
                 m = ns.match(lease, tokens)
                 answer = ns.answer(lease.lease_id, m, epoch)
                 self._recent.append((ns.span(tokens), answer.num_tokens))
@@ -206,6 +208,7 @@ class KVService:
         for plan in plans:
             if plan is not None:
                 self._tier.abandon(plan)
+        self.events.publish_dropped(self._tier.take_dropped())
 
     def allocate(
         self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
@@ -333,14 +336,18 @@ class KVService:
     def clear(self, namespace: str) -> int:
         """Drop every cached block of `namespace` (in the pool and in the tier below) and the
         namespace itself; publishes AllBlocksCleared. FailedPrecondition while a lease pins or
-        holds anything in it. Returns the pool blocks freed, once the tier below has made the
-        drop durable (Unavailable if it cannot: a crash might bring the blocks back)."""
+        holds anything in it, or while a Match brings its blocks up from the tier below.
+        Returns the pool blocks freed, once the tier below has made the drop durable
+        (Unavailable if it cannot: a crash might bring the blocks back)."""
         freed = self._clear(namespace)
         self._tier.sync_drops()  # off the lock: the writer may have a backlog to write first
         return freed
 
     def _clear(self, namespace: str) -> int:
         with self._lock:
+            if self._tier.promoting(namespace):  # (that Match would put them back)
+                raise FailedPrecondition(f"namespace {namespace!r} has blocks coming up from "
+                                         "the disk tier; try again")
             ns = self._namespaces.get(namespace)
             if ns is None:
                 if not self._tier.cleared(namespace, []):  # on disk only, or nowhere
@@ -458,8 +465,9 @@ class KVService:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _make_room(self, ns: Namespace | None, num_blocks: int, sinks: int) -> int:
-        return self._reclaim.make_room(num_blocks, keep=ns, sinks=sinks)
+    def _make_room(self, ns: Namespace | None, regular: int, sinks: int) -> int:
+        """Room for a promotion: `regular` blocks of the regular region, `sinks` sink blocks."""
+        return self._reclaim.make_room(regular + sinks, keep=ns, sinks=sinks, regular=regular)
 
     def _publish(self, namespace: str) -> None:
         self.events.publish(namespace, self._namespaces[namespace].tree.take_events())

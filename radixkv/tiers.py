@@ -8,6 +8,8 @@ tier it has:
     apply      those blocks; then (under the lock again, before the Match reads the tree)
                insert them in the tree; `abandon` undoes a plan whose Match failed
     demote     pool blocks the policy evicted, before they go back to the free list
+    take_dropped  blocks it dropped that the events had marked as below the pool (published)
+    promoting  whether a promotion into a namespace is in flight (Clear waits for it)
     inserted   blocks an Insert adopted (the tier learns their keys; a copy below is dropped)
     cleared    a namespace's blocks dropped by Clear; then `sync_drops` (off the lock) waits
                until they cannot come back after a crash
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from radixkv.index.results import InsertResult
     from radixkv.kinds import Namespace
 
-MakeRoom = Callable[[int, int], int]  # (blocks, sink blocks) -> blocks evicted; OutOfBlocks
+MakeRoom = Callable[[int, int], int]  # (regular, sink blocks) -> blocks evicted; OutOfBlocks
 Publish = Callable[[str], None]  # publish a namespace's queued tree events
 
 
@@ -57,8 +59,18 @@ class NoTier:
         nor cached, and no tree points at them."""
         return 0
 
-    def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
-        """`block_ids` (still holding their KV) leave the pool."""
+    def demote(self, namespace: str, block_ids: Sequence[int],
+               hashes: Sequence[int | None] = ()) -> None:
+        """`block_ids` (still holding their KV; `hashes`: their event hashes) leave the pool."""
+
+    def take_dropped(self) -> list[tuple[str, int]]:
+        """(namespace, event hash) of each block demoted here since dropped, since the last
+        call: the service publishes a BlockRemoved for them."""
+        return []
+
+    def promoting(self, namespace: str) -> bool:
+        """A Match is bringing blocks of `namespace` up from this tier now."""
+        return False
 
     def inserted(self, namespace: str, tokens: bytes, block_ids: Sequence[int],
                  result: InsertResult) -> None:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -129,6 +130,54 @@ def test_full_disk_tier_drops_the_least_recently_demoted(workdir):
         # first two were dropped
         assert read_in_other_process(server.socket, "ns", [prompts[3], *prompts[:2]]) == [
             8, 0, 0]
+    finally:
+        stopped(server)
+
+
+def _where_events_put_blocks(kv: Client, where: dict[int, str], after: int) -> int:
+    """Follow the events after sequence `after` as a router would: each block hash in the
+    pool, on disk (BlockRemoved tier "disk") or gone (removed with no tier). Returns the last
+    sequence read."""
+    last = kv.stats()["event_sequence"]
+    if last <= after:
+        return after
+    for ev in kv.events(from_sequence=after + 1, timeout=10):
+        kind = ev.WhichOneof("kind")
+        if kind == "stored":
+            where.update(dict.fromkeys(ev.stored.block_hashes, "pool"))
+        elif kind == "removed":
+            for h in ev.removed.block_hashes:
+                if ev.removed.tier == "disk":
+                    where[h] = "disk"
+                else:
+                    del where[h]
+        if ev.sequence >= last:
+            break
+    return last
+
+
+def test_the_events_follow_every_block_the_disk_tier_drops(workdir):
+    """A 4-block pool over a 4-block tier, 8 prompts of 2 blocks: 12 demoted, 8 of them dropped
+    by the full tier; then prompts Matched back (promotions demote others, and drop more):
+    after each, the blocks the events leave on disk are the tier's, and those in the pool the
+    pool's (a drop is a BlockRemoved with no pool ids and no tier: gone)."""
+    server = serve(workdir, 4, 4)
+    try:
+        where: dict[int, str] = {}
+        with Client(server.socket) as kv:
+            for i in range(8):
+                put(kv, "ns", p(i))
+            after = _where_events_put_blocks(kv, where, 0)
+            s = kv.stats(check_integrity=True)
+            assert s["disk"]["evicted_blocks"] == 8 and s["integrity"] == "ok"
+            held = {"pool": s["cached_blocks"], "disk": s["disk"]["blocks"]}
+            assert Counter(where.values()) == held
+            assert [put(kv, "ns", p(i)) for i in (5, 0, 6)] == [2 * BS, 0, 2 * BS]
+            _where_events_put_blocks(kv, where, after)
+            s = kv.stats()
+            assert s["disk"]["promoted_blocks"] == 4
+            held = {"pool": s["cached_blocks"], "disk": s["disk"]["blocks"]}
+            assert Counter(where.values()) == held
     finally:
         stopped(server)
 

@@ -28,6 +28,7 @@ class Entry:
     meta: SlotMeta
     slot: int
     staging: bytes | None = None  # the payload while its write is queued (write-back)
+    event_hash: int | None = None  # what the events named it by, if they marked it on disk
 
 
 class DiskIndex:

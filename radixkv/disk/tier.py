@@ -17,9 +17,10 @@ blocks on disk brings up to `promote_blocks` of them into pool blocks (evicting,
 as an Allocate would), checks each slot's CRC, inserts them in the tree and only then matches;
 the lease pins them like any hit, so an engine never reads a block whose promotion has not
 completed. A slot that fails its check is dropped and counted (`verify_failures`): the Match
-stops there, a miss, never wrong KV. The pool blocks are reserved under the service lock
-(`plan`), read into straight from the file off it (`read`: os.preadv, no copy), and put in the
-tree under it again (`apply`); while reserved they are in no tree and no lease.
+stops there, a miss, never wrong KV. The pool blocks, each of its slot's format (sink or
+regular), are reserved under the service lock (`plan`), read into straight from the file off
+it (`read`: os.preadv, no copy), and put in the tree under it again (`apply`); while reserved
+they are in no tree and no lease.
 
 Warm restart: `close(write_down=True)` (SIGTERM) writes every cached pool block to a slot and
 fsyncs; the next start on the same directory scans the slot headers (`meta_crc`, the chain
@@ -36,6 +37,7 @@ KV) and serves what it holds; once a retry succeeds it is "ok" again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -70,6 +72,7 @@ SYNC_FAILING_S = 5.0  # how long sync_drops waits on a failing writer before Una
 class Promotion:
     """One Match query's blocks on their way up from disk (DiskTier.plan, read, apply)."""
 
+    name: str  # the namespace (Clear of it waits: FailedPrecondition while this is in flight)
     ns: Namespace | None  # None: the namespace had no tree when planned
     tokens: bytes
     cached: int  # blocks of the prompt cached in the pool when planned (pinned by `handle`)
@@ -80,6 +83,7 @@ class Promotion:
     good: int = 0  # blocks read and verified, from the first
     failed: bool = False  # the entry after the good ones failed its check
     busy: bool = False  # its slots are marked busy (DiskTier._busy) until its read is done
+    live: bool = True  # not yet applied or abandoned (counted in DiskTier._promoting)
 
 @dataclass(frozen=True, slots=True)
 class BlockKey:
@@ -90,6 +94,7 @@ class BlockKey:
     parent: bytes
     position: int
     tokens: bytes
+    sink: bool  # its bytes are in the sink format (a promoted block: its slot's format)
 
 
 class DiskTier(NoTier):
@@ -105,7 +110,11 @@ class DiskTier(NoTier):
         self.index = DiskIndex(capacity_blocks)
         self._mem: dict[int, BlockKey] = {}  # pool block id -> its key (cached blocks)
         self._seq = 0
-        self._reserved: set[int] = set()  # pool blocks a promotion reads into (plan to apply)
+        # pool blocks a promotion reads into (plan to apply) -> their slot's format (sink?)
+        self._reserved: dict[int, bool] = {}
+        self._promoting: dict[str, int] = {}  # namespace -> its promotions in flight
+        # blocks dropped that the events had marked as here: (namespace, their event hash)
+        self._dropped: list[tuple[str, int]] = []
         # slot -> promotions reading it now (a slot freed and taken again can be read by two):
         # writes to these wait (under _cond)
         self._busy: dict[int, int] = {}
@@ -179,21 +188,25 @@ class DiskTier(NoTier):
         for i, b in enumerate(ids, first):
             tok = tokens[i * bb:(i + 1) * bb]
             h = chain_hash(parent, namespace, tok)
-            self._mem[b] = BlockKey(namespace, h, parent, i, tok)
+            self._mem[b] = BlockKey(namespace, h, parent, i, tok, self.pool.is_sink(b))
             if len(self.index):
                 self._free(self.index.drop((namespace, h)))
             parent = h
 
-    def demote(self, namespace: str, block_ids: Sequence[int]) -> None:
-        for b in block_ids:
+    def demote(self, namespace: str, block_ids: Sequence[int],
+               hashes: Sequence[int | None] = ()) -> None:
+        for b, h in zip(block_ids, hashes or [None] * len(block_ids), strict=True):
             key = self._mem.pop(b, None)
             if key is not None:
-                self._put(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b))
+                self._put(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b), h)
                 self._counts["demoted_blocks"] += 1
 
-    def _put(self, key: BlockKey, payload: bytes, sink: bool) -> None:
+    def _put(self, key: BlockKey, payload: bytes, sink: bool,
+             event_hash: int | None = None) -> None:
         if self._error is not None:  # the writer failed (logged): the block is dropped
             self._counts["evicted_blocks"] += 1
+            if event_hash is not None:
+                self._dropped.append((key.namespace, event_hash))
             return
         self._seq += 1
         meta = SlotMeta(key.namespace, key.hash, key.parent, key.position, key.tokens,
@@ -201,8 +214,22 @@ class DiskTier(NoTier):
                         self.file.generation, self._seq)
         self._free(self.index.drop((key.namespace, key.hash)))
         entry, evicted = self.index.add(meta, payload)
+        entry.event_hash = event_hash
         self._counts["evicted_blocks"] += len(evicted)
+        self._lost(evicted)
         self._enqueue(entry.slot, entry)
+
+    def _lost(self, entries: Sequence[Entry]) -> None:
+        """Entries dropped from the tier: the events must say so for those they marked here."""
+        self._dropped += [(e.meta.namespace, e.event_hash) for e in entries
+                          if e.event_hash is not None]
+
+    def take_dropped(self) -> list[tuple[str, int]]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def promoting(self, namespace: str) -> bool:
+        return namespace in self._promoting
 
     def _free(self, entry: Entry | None) -> None:
         """A slot left the index: its header is zeroed (queued), so a restart does not bring
@@ -286,23 +313,32 @@ class DiskTier(NoTier):
             self.index.drop((name, entry.meta.hash))
         if ns is not None:  # nothing may evict the prefix they extend meanwhile
             ns.tree.lock(handle, hit=False)
+        sinks = sum(e.meta.sink for e in found)  # each block into a pool block of its format
         try:
-            make_room(len(found), int(k == 0))
-            ids = self.pool.alloc(len(found), sinks=int(k == 0))
+            make_room(len(found) - sinks, sinks)
+            ids = self._alloc(found, sinks)
         except OutOfBlocks:  # all pinned: the blocks stay on disk, this Match misses them
             self._restore(found)
             self._unmark_busy(found)
             if ns is not None:
                 ns.tree.unlock(handle)
             return None
-        plan = Promotion(ns, tokens, k, handle, found, ids, busy=True)
+        plan = Promotion(name, ns, tokens, k, handle, found, ids, busy=True)
         for entry, b in zip(found, ids, strict=True):
             block = self.pool.block_bytes(b)
-            if entry.meta.payload_len > len(block):  # not this block's format: read no further
+            if entry.meta.payload_len != len(block):  # not this block's format: read no further
                 break
-            plan.views.append(block.data[:entry.meta.payload_len])
-        self._reserved.update(ids)
+            plan.views.append(block.data)
+        self._reserved.update((b, e.meta.sink) for b, e in zip(ids, found, strict=True))
+        self._promoting[name] = self._promoting.get(name, 0) + 1
         return plan
+
+    def _alloc(self, entries: Sequence[Entry], sinks: int) -> list[int]:
+        """A pool block for each entry, of its slot's format: a sink block for a sink-format
+        payload (its first tokens after the quantized part), a regular one for the rest."""
+        got = self.pool.alloc(len(entries), sinks=sinks, exact=True)
+        sink_ids, regular_ids = iter(got[:sinks]), iter(got[sinks:])
+        return [next(sink_ids if e.meta.sink else regular_ids) for e in entries]
 
     def read(self, plans: Sequence[Promotion]) -> None:
         """Off the service lock: each plan's payloads read straight into its reserved pool
@@ -366,19 +402,20 @@ class DiskTier(NoTier):
         self._counts["verify_failures"] += plan.failed
         gone = good + plan.failed  # the promoted ones, and the one that failed its check
         self._tombstone(plan.taken[:gone])
+        self._lost(plan.taken[good:gone])
         self._restore(plan.taken[gone:])  # the rest stay on disk
-        self._reserved.difference_update(ids)
+        self._settle(plan)
         try:
             if plan.ns is not None and ns is not plan.ns:  # dropped and made again: to disk
-                for entry, b, view in zip(plan.taken[:good], ids, plan.views, strict=False):
-                    self._requeue(entry.meta, bytes(self.pool.block_bytes(b)[:len(view)]))
+                for entry, b in zip(plan.taken[:good], ids, strict=False):
+                    self._requeue(entry, bytes(self.pool.block_bytes(b).data))
                 good = 0
             if good < len(ids):
                 self.pool.free(ids[good:])
             if not good:
                 return 0
             return self._adopt(ns, plan.tokens[:(plan.cached + good) * self._bb], ids[:good],
-                               publish)
+                               [e.meta.sink for e in plan.taken[:good]], publish)
         finally:
             plan.views.clear()
             if plan.ns is not None:
@@ -389,11 +426,23 @@ class DiskTier(NoTier):
         blocks free, its pin gone."""
         self._unbusy(plan)
         self._restore(plan.taken)
-        self._reserved.difference_update(plan.ids)
+        self._settle(plan)
         plan.views.clear()
         self.pool.free(plan.ids)
         if plan.ns is not None:
             plan.ns.tree.unlock(plan.handle)
+
+    def _settle(self, plan: Promotion) -> None:
+        """The plan is applied or abandoned (once): its blocks are no longer reserved."""
+        if plan.live:
+            plan.live = False
+            for b in plan.ids:
+                del self._reserved[b]
+            left = self._promoting[plan.name] - 1
+            if left:
+                self._promoting[plan.name] = left
+            else:
+                del self._promoting[plan.name]
 
     @property
     def reserved_blocks(self) -> int:
@@ -426,6 +475,7 @@ class DiskTier(NoTier):
         for entry in entries:
             if not self.index.put_back(entry):
                 self._counts["evicted_blocks"] += 1
+                self._lost([entry])
 
     def _tombstone(self, entries: Sequence[Entry]) -> None:
         """Promoted entries' slots, if still free, get a zeroed header (see `_free`)."""
@@ -433,10 +483,11 @@ class DiskTier(NoTier):
             if self.index.is_free(entry.slot):
                 self._enqueue(entry.slot, None)
 
-    def _adopt(self, ns: Namespace, tokens: bytes, ids: Sequence[int], publish: Publish) -> int:
-        """Promoted blocks `ids` (holding their KV) for the last len(ids) blocks of `tokens`
-        into the tree. An engine may have inserted some of them meanwhile: those are
-        duplicates, freed."""
+    def _adopt(self, ns: Namespace, tokens: bytes, ids: Sequence[int], sinks: Sequence[bool],
+               publish: Publish) -> int:
+        """Promoted blocks `ids` (holding their KV, in the format `sinks` says) for the last
+        len(ids) blocks of `tokens` into the tree. An engine may have inserted some of them
+        meanwhile: those are duplicates, freed."""
         n = len(tokens) // self._bb
         cached = ns.tree.match(tokens).block_ids
         given = [*cached[:n - len(ids)], *ids]
@@ -445,13 +496,19 @@ class DiskTier(NoTier):
             self.pool.free(list(result.duplicates))
         publish(ns.name)
         self.inserted(ns.name, tokens, given, result)
+        for b, sink in zip(ids, sinks, strict=True):  # what its bytes are: the slot's format
+            key = self._mem.get(b)
+            if key is not None and key.sink != sink:
+                self._mem[b] = dataclasses.replace(key, sink=sink)
         self._counts["promoted_blocks"] += len(result.adopted)
         self._counts["hit_tokens"] += len(result.adopted) * self.block_size
         return len(result.adopted)
 
-    def _requeue(self, meta: SlotMeta, payload: bytes) -> None:
-        key = BlockKey(meta.namespace, meta.hash, meta.parent, meta.position, meta.tokens)
-        self._put(key, payload, meta.sink)
+    def _requeue(self, entry: Entry, payload: bytes) -> None:
+        meta = entry.meta
+        key = BlockKey(meta.namespace, meta.hash, meta.parent, meta.position, meta.tokens,
+                       meta.sink)
+        self._put(key, payload, meta.sink, entry.event_hash)
 
     # ---- the writer ---------------------------------------------------------------------------
 
@@ -553,8 +610,20 @@ class DiskTier(NoTier):
             on_disk = {(k.namespace, k.hash) for k in self._mem.values()}
             if any(key in self.index for key in on_disk):
                 problem = "a block is cached in the pool and on disk"
+        if problem is None:
+            problem = self._format_problem()
         if problem is not None:
             raise IntegrityError(problem)
+
+    def _format_problem(self) -> str | None:
+        """None, or a pool block (cached or reserved) holding bytes of the other format: a
+        regular block's bytes in a sink block would read another prompt's sink tokens."""
+        held = [(b, k.sink) for b, k in self._mem.items()] + list(self._reserved.items())
+        for b, sink in held:
+            if sink != self.pool.is_sink(b):
+                return (f"pool block {b} is a {'sink' if self.pool.is_sink(b) else 'regular'} "
+                        f"block holding a {'sink' if sink else 'regular'}-format block")
+        return None
 
     def close(self, write_down: bool) -> None:
         if write_down:  # children first: on disk they are older than their parents
