@@ -102,6 +102,7 @@ class Chaos:
         self.kills = self.kills_mid_lease = self.restarts = self.integrity_failures = 0
         self.server_crashes = 0
         self.slot = 0
+        self.disk_earlier: dict[str, int] = {}  # the disk counters of the servers restarted so far
 
     # -- processes --
 
@@ -145,7 +146,10 @@ class Chaos:
         assert self.server is not None
         try:
             with Client(self.socket, timeout=10.0) as kv:
-                integrity = kv.stats(check_integrity=True)["integrity"]
+                stats = kv.stats(check_integrity=True)
+            integrity = stats["integrity"]
+            for name, n in _disk_figures(stats.get("disk")).items():
+                self.disk_earlier[name] = self.disk_earlier.get(name, 0) + n
             if integrity != "ok":
                 self.integrity_failures += 1
                 log(f"integrity check failed before restart {self.restarts + 1}: {integrity}")
@@ -154,6 +158,12 @@ class Chaos:
         self.server.stop(signal.SIGKILL)
         self.start_server()
         self.restarts += 1
+
+    def disk_totals(self, disk: dict[str, Any] | None) -> dict[str, int]:
+        """The disk counters summed over every server lifetime (each restart starts them at 0)."""
+        last = _disk_figures(disk)
+        return {name: self.disk_earlier.get(name, 0) + last.get(name, 0)
+                for name in {*self.disk_earlier, *last}}
 
     def totals(self) -> dict[str, int]:
         return {name: sum(int(c[i]) for c in self.all_counters)
@@ -230,7 +240,7 @@ class Chaos:
             "server_crashes": self.server_crashes,
             "requests_per_s": round(t["requests"] / elapsed, 1),
             "server_exit_code": rc, "client_stragglers": stragglers,
-            **_disk_figures(final.get("disk")),
+            **self.disk_totals(final.get("disk")),
             **{k: v for k, v in t.items() if k not in ("requests", "mismatches")},
         }
         if shm_left:
