@@ -71,6 +71,7 @@ __all__ = ["KVService", "ServiceConfig"]
 
 DUMP_PAGE = 1024  # nodes per DumpTree page by default
 MAX_DUMP_PAGE = 65536  # the most one page may ask for
+DUMP_SLICE = 64  # nodes of a page read per hold of the lock (bench/dump_pages.py)
 
 
 class KVService:
@@ -407,22 +408,35 @@ class KVService:
     def dump_page(self, namespace: str, cursor: bytes = b"", page_size: int = DUMP_PAGE,
                   max_depth: int = 0) -> DumpPage:
         """Up to `page_size` nodes of the tree after `cursor` (b"": from the start; else a
-        previous page's next_cursor), each with its blocks' chained hashes; the lock is held
-        for one page only. Pages may come from different moments (index/pages.py)."""
+        previous page's next_cursor), each with its blocks' chained hashes. The page is read
+        in slices of DUMP_SLICE nodes, the lock let go between them, so a page, like pages,
+        may come from different moments (index/pages.py); its sequence number is the first
+        slice's. A namespace dropped after the first slice ends the page there."""
         if not 1 <= page_size <= MAX_DUMP_PAGE:
             raise InvalidArgument(f"page_size {page_size}: 1 to {MAX_DUMP_PAGE} nodes")
-        with self._lock:
-            if namespace not in self._namespaces:
-                raise NotFound(f"namespace {namespace!r} does not exist (known: "
-                               f"{', '.join(self._namespaces.names()) or 'none'})")
-            ns = self._namespaces[namespace]
-            unit, what = ns.cursor_unit
-            if len(cursor) % unit:
-                raise InvalidArgument(f"cursor of {len(cursor)} bytes is not a path of whole "
-                                      f"{what}: pass a next_cursor back")
-            nodes, after = page(ns.tree.root, self.block_size, cursor, page_size, max_depth,
-                                self.events.block_hashes(namespace))
-            return DumpPage(tuple(ns.shown(nodes)), self.events.last_sequence, after)
+        out: list[NodeView] = []
+        sequence = None
+        while True:
+            with self._lock:
+                ns = self._namespaces.get(namespace)
+                if ns is None:
+                    if sequence is not None:  # dropped meanwhile: nothing after the cursor
+                        return DumpPage(tuple(out), sequence, b"")
+                    raise NotFound(f"namespace {namespace!r} does not exist (known: "
+                                   f"{', '.join(self._namespaces.names()) or 'none'})")
+                unit, what = ns.cursor_unit
+                if len(cursor) % unit:
+                    raise InvalidArgument(f"cursor of {len(cursor)} bytes is not a path of "
+                                          f"whole {what}: pass a next_cursor back")
+                if sequence is None:
+                    sequence = self.events.last_sequence
+                nodes, cursor = page(ns.tree.root, self.block_size, cursor,
+                                     min(DUMP_SLICE, page_size - len(out)), max_depth,
+                                     self.events.block_hashes(namespace))
+                out += ns.shown(nodes)
+            if not cursor or len(out) == page_size:
+                return DumpPage(tuple(out), sequence, cursor)
+            time.sleep(0)  # a call waiting for the lock gets it (and the GIL) before the next slice
 
     def key_size(self, namespace: str) -> int:
         """The key size of a key-keyed namespace; 0 for a token-keyed or unknown one."""

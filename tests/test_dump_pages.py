@@ -14,6 +14,7 @@ from radixkv import errors
 from radixkv.client import Client
 from radixkv.cluster.follower import snapshot_hashes
 from radixkv.events import chain_hashes
+from radixkv.service import DUMP_SLICE
 
 NS = "chat@rev1"
 B = BLOCK_SIZE
@@ -73,6 +74,21 @@ def test_pages_cover_the_tree_in_path_order_with_event_hashes():
         # max_depth: only the first edges, paged as well
         shallow = [n for p in all_pages(kv, 5, max_depth=1) for n in p.nodes]
         assert [n.node_id for n in shallow] == [n.node_id for n in paged if n.parent_id is None]
+
+
+def test_a_page_read_in_several_slices_of_the_lock_is_the_whole_tree_in_order():
+    """A page larger than the service's lock slice (DUMP_SLICE nodes) is put together from
+    several holds of the lock: on a still tree, it is exactly the tree in path order."""
+    with running_server(num_blocks=1024) as s, Client(s.socket) as kv:
+        store_many(kv, NS, [prompt(h, t) for h in range(4) for t in range(DUMP_SLICE)])
+        whole, at = kv.dump_tree(NS)
+        assert len(whole) > 3 * DUMP_SLICE
+        [one] = all_pages(kv, len(whole))
+        assert one.last_sequence == at and one.next_cursor == b""
+        assert paths(one.nodes) == sorted(paths(whole))
+        two = all_pages(kv, 2 * DUMP_SLICE + 5)
+        assert [len(p.nodes) for p in two] == [2 * DUMP_SLICE + 5, len(whole) - 2 * DUMP_SLICE - 5]
+        assert [n.node_id for p in two for n in p.nodes] == [n.node_id for n in one.nodes]
 
 
 def _path_of(n, nodes) -> list[bytes]:

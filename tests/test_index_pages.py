@@ -3,9 +3,11 @@ tree's own node list, sorted by path. Pure: no server."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixkv.index import node
 from radixkv.index.pages import page
 from radixkv.index.tree import RadixTree
 from radixkv.tokens import to_token_bytes
@@ -15,6 +17,16 @@ BB = 4 * BS  # bytes per block
 
 prompts = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5), min_size=1,
                    max_size=25)
+
+
+@pytest.fixture(scope="module", autouse=True, params=["narrow", "wide"])
+def child_order(request):
+    """Each test twice: as nodes of a few children are read (sorted when asked), and as wide
+    ones are (child keys kept in a sorted list from the first dump, through every change)."""
+    wide = node.WIDE
+    node.WIDE = wide if request.param == "narrow" else 0
+    yield
+    node.WIDE = wide
 
 
 def block_paths(tree: RadixTree) -> dict[int, list[bytes]]:
@@ -86,6 +98,7 @@ def test_a_block_cached_throughout_the_paging_is_in_some_page(first, changes, si
             for p in more:
                 next_id = insert(tree, p, next_id)
             tree.evict(evict)
+            tree.check_integrity()  # a wide node's sorted keys still match its children
             step += 1
             now = {b for bs in block_paths(tree).values() for b in bs}
             always &= now

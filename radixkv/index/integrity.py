@@ -45,6 +45,8 @@ def check_tree(root: Node, block_bytes: int, held: bytearray, policy: EvictionPo
     while stack:
         parent = stack.pop()
         child_locks = 0
+        if parent.order is not None and list(parent.order) != sorted(parent.children):
+            fail(f"node {parent.node_id}: sorted child keys out of step with its children")
         for key, n in parent.children.items():
             num_nodes += 1
             nid = n.node_id

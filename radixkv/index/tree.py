@@ -26,7 +26,7 @@ from radixkv.errors import InvalidArgument
 from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.hints import NO_HINT, SESSION_END, parse_hint
 from radixkv.index.integrity import Counters, check_block_ids, check_tree
-from radixkv.index.node import DepthCounts, Handle, Node
+from radixkv.index.node import DepthCounts, Handle, Node, add_child, drop_child
 from radixkv.index.pages import view
 from radixkv.index.policies import make_policy
 from radixkv.index.results import (
@@ -233,7 +233,7 @@ class RadixTree:
             leaf = self._node_type(self._next_id, node, key[m * bb : num_blocks * bb],
                                    new, node.depth + len(new), tick, now)
             self._next_id += 1
-            node.children[key[m * bb : (m + 1) * bb]] = leaf
+            add_child(node, key[m * bb : (m + 1) * bb], leaf)
             for b in new:
                 held[b] = 1
             self._num_cached += len(new)
@@ -348,7 +348,7 @@ class RadixTree:
                 policy.add(node)  # same key: still the first victim
             else:
                 parent = node.parent
-                del parent.children[node.tokens[:bb]]
+                drop_child(parent, node.tokens[:bb])
                 self._num_nodes -= 1
                 if not parent.children and parent is not self._root and parent.lock_count == 0:
                     policy.add(parent)
