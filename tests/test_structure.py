@@ -231,3 +231,146 @@ def test_the_service_and_servicer_never_ask_which_kind(name: str) -> None:
 def test_the_servicer_reaches_no_pool() -> None:
     """The servicer asks the service (epoch, pool handle, stats), never its pool."""
     assert "pool" not in names_in(REPO / "radixkv/server/servicer.py")
+
+
+# ---- budgets: no hub regrows ---------------------------------------------------------------
+# Today's offenders, with their size now: an entry may only shrink (the test fails when one
+# grows, when a new offender appears, and when an entry no longer offends: then delete it).
+
+MAX_MODULE_LINES = 400
+MAX_CORE_LINES = 350  # radixkv/service/: the core stays small
+MAX_FUNCTION_LINES = 60
+MAX_PARAMETERS = 7  # beyond that, a dataclass
+CORE = ("radixkv", "service")
+LONG_MODULES: dict[str, int] = {
+    "gpu_pool/quant.py": 412,
+    "radixkv/cli/inspector.py": 439,
+    "radixkv/cli/main.py": 407,
+    "radixkv/disk/tier.py": 642,
+    "radixkv/index/tree.py": 431,
+    "radixkv/integrations/sglang.py": 544,
+    "radixkv/replay/report.py": 401,
+    "radixkv/service.py": 522,
+}
+LONG_FUNCTIONS: dict[str, int] = {
+    "radixkv/cli/main.py:_add_serve": 107,
+    "radixkv/cli/main.py:cmd_serve": 83,
+    "radixkv/index/integrity.py:check_tree": 64,
+    "radixkv/index/tree.py:RadixTree.insert": 67,
+    "radixkv/index/window_tree.py:WindowedRadixTree.insert": 62,
+    "radixkv/replay/cli.py:add_arguments": 78,
+    "radixkv/replay/client.py:request": 69,
+    "radixkv/replay/report.py:build_report": 63,
+    "radixkv/replay/report.py:render_report": 75,
+    "radixkv/replay/runner.py:_run": 112,
+    "radixkv/replay/runner.py:run_replay": 101,
+    "radixkv/replay/simulate.py:replay_tree": 76,
+}
+WIDE_FUNCTIONS: dict[str, int] = {
+    "gpu_pool/factory.py:create_pool": 9,
+    "gpu_pool/host.py:HostBlockPool.__init__": 8,
+    "gpu_pool/jit.py:Kernel.__init__": 10,
+    "radixkv/cli/inspector.py:tail_events": 8,
+    "radixkv/client.py:Client.insert": 8,
+    "radixkv/cluster/membership.py:make_info": 8,
+    "radixkv/engines/attention.py:attention_forward": 10,
+    "radixkv/engines/evaluate.py:evaluate": 8,
+    "radixkv/engines/window_cache.py:build_cache": 8,
+    "radixkv/integrations/vllm_driver.py:Driver.__init__": 8,
+    "radixkv/integrations/vllm_worker.py:WorkerSide.__init__": 8,
+    "radixkv/lease.py:Calls.insert": 8,
+    "radixkv/replay/client.py:request": 9,
+    "radixkv/replay/jobs.py:feed": 8,
+    "radixkv/replay/report.py:build_report": 8,
+    "radixkv/replay/runner.py:run_replay": 24,
+    "radixkv/replay/workload.py:generate_synthetic": 10,
+    "radixkv/service.py:KVService.allocate": 9,
+    "radixkv/service.py:KVService.insert": 8,
+}
+SHARED_CLASS_NAMES: dict[str, int] = {
+    "Counters": 2,
+    "Lease": 2,
+    "Strided": 2,
+}
+SHARED_BASENAMES: dict[str, int] = {
+    "chat": 2,
+    "client": 2,
+    "cluster": 2,
+    "demo": 2,
+    "errors": 2,
+    "hints": 2,
+    "index": 2,
+    "layout": 2,
+    "models": 2,
+}
+
+
+def hand_written() -> dict[str, Path]:
+    return {str(p.relative_to(REPO)): p for p in package_modules().values()}
+
+
+def over(found: dict[str, int], allowed: dict[str, int]) -> dict[str, str]:
+    """What breaks a budget: new offenders, grown ones, and entries that no longer offend."""
+    bad = {k: f"{v} (allowed {allowed.get(k, 'none')})" for k, v in found.items()
+           if v > allowed.get(k, 0)}
+    bad.update({k: "no longer over: delete its entry" for k in allowed if k not in found})
+    return bad
+
+
+def test_no_module_is_over_its_line_budget() -> None:
+    found = {}
+    for rel, path in hand_written().items():
+        lines = len(path.read_text().splitlines())
+        limit = MAX_CORE_LINES if Path(rel).parts[:2] == CORE else MAX_MODULE_LINES
+        if lines > limit:
+            found[rel] = lines
+    assert over(found, LONG_MODULES) == {}
+
+
+def functions(path: Path) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """(qualified name, node) of every function and method in a file."""
+    out = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((f"{prefix}{child.name}", child))
+                walk(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.")
+
+    walk(ast.parse(path.read_text()), "")
+    return out
+
+
+def test_no_function_is_over_its_length_or_parameter_budget() -> None:
+    long, wide = {}, {}
+    for rel, path in hand_written().items():
+        for name, fn in functions(path):
+            key = f"{rel}:{name}"
+            lines = (fn.end_lineno or fn.lineno) - fn.lineno + 1
+            a = fn.args
+            params = len(a.posonlyargs + a.args + a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+            params -= bool(a.args and a.args[0].arg in ("self", "cls"))
+            if lines > MAX_FUNCTION_LINES:
+                long[key] = lines
+            if params > MAX_PARAMETERS:
+                wide[key] = params
+    assert over(long, LONG_FUNCTIONS) == {}
+    assert over(wide, WIDE_FUNCTIONS) == {}
+
+
+def test_one_name_one_meaning() -> None:
+    """No two classes of the packages share a name, no two modules a basename (but
+    __init__)."""
+    classes: dict[str, int] = {}
+    bases: dict[str, int] = {}
+    for rel, path in hand_written().items():
+        name = Path(rel).stem
+        if name != "__init__":
+            bases[name] = bases.get(name, 0) + 1
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = classes.get(node.name, 0) + 1
+    assert over({k: v for k, v in classes.items() if v > 1}, SHARED_CLASS_NAMES) == {}
+    assert over({k: v for k, v in bases.items() if v > 1}, SHARED_BASENAMES) == {}
