@@ -254,8 +254,8 @@ class DiskTier(NoTier):
                     if payload is not None:
                         self._room()
                         if entry.pending == b:  # (still in the index, its slot its own)
-                            entry.pending = None
-                            entry.staging = payload
+                            entry.staging = payload  # (first: a plan that sees it not
+                            entry.pending = None  # pending reads this copy, not the slot)
                             self._append(entry.slot, entry)
         finally:  # (the blocks are never waited for again; entries left pending are misses)
             with self._cond:
