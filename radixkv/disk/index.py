@@ -27,7 +27,7 @@ Key = tuple[str, bytes]  # (namespace, chain hash)
 class Entry:
     meta: SlotMeta
     slot: int
-    staging: bytes | bytearray | None = None  # the payload while its write is queued
+    staging: bytes | memoryview | None = None  # the payload while its write is queued
     event_hash: int | None = None  # what the events named it by, if they marked it on disk
     # the pool block its payload is still to be copied out of (a demotion not yet settled:
     # radixkv/disk/tier.py); None once copied, or once it leaves the index (the copy is then

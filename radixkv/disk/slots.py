@@ -51,7 +51,7 @@ SINK = 1  # flags: the payload is a sink-region block's (sink_bytes_per_block)
 ZERO_HASH = bytes(16)
 
 
-def payload_check(payload: memoryview | bytes | bytearray, meta_crc: int, body: bytes) -> int:
+def payload_check(payload: memoryview | bytes, meta_crc: int, body: bytes) -> int:
     """The slot's `crc`: XXH3-64 of the payload seeded with the CRC-32 of the header fields."""
     seed = zlib.crc32(struct.pack("<I", meta_crc) + body)
     return xxhash.xxh3_64_intdigest(payload, seed) & 0xFFFFFFFF
@@ -175,7 +175,7 @@ class SlotFile:
     def offset(self, slot: int) -> int:
         return FILE_HEADER + slot * self.geometry.slot_bytes
 
-    def encode_meta(self, meta: SlotMeta, payload: memoryview | bytes | bytearray) -> bytes:
+    def encode_meta(self, meta: SlotMeta, payload: memoryview | bytes) -> bytes:
         """The slot's header region (padded to meta_bytes), both CRCs filled in."""
         ns = meta.namespace.encode()
         fields = struct.pack("<QQ16s16sIIHH", meta.generation, meta.seq, meta.hash, meta.parent,
@@ -186,11 +186,10 @@ class SlotFile:
         head = SLOT_MAGIC + struct.pack("<II", crc, meta_crc) + body
         return head.ljust(self.geometry.meta_bytes, b"\0")
 
-    def write(self, jobs: Sequence[tuple[int, bytes, memoryview | bytes | bytearray] | int]
-              ) -> None:
+    def write(self, jobs: Sequence[tuple[int, bytes, memoryview | bytes] | int]) -> None:
         """Write (slot, encoded meta, payload) triples, and zero the header of each slot given
         alone (a tombstone), in order; runs of adjacent slots go in one pwritev."""
-        run: list[tuple[int, bytes, memoryview | bytes | bytearray]] = []
+        run: list[tuple[int, bytes, memoryview | bytes]] = []
         for job in jobs:
             if isinstance(job, int):
                 self._write_run(run)
@@ -200,7 +199,7 @@ class SlotFile:
                 run.append(job)
         self._write_run(run)
 
-    def _write_run(self, jobs: list[tuple[int, bytes, memoryview | bytes | bytearray]]) -> None:
+    def _write_run(self, jobs: list[tuple[int, bytes, memoryview | bytes]]) -> None:
         g = self.geometry
         pad = bytes(g.slot_bytes - g.meta_bytes)
         i = 0
@@ -209,7 +208,7 @@ class SlotFile:
             j = i
             while j + 1 < len(ordered) and ordered[j + 1][0] == ordered[j][0] + 1 and j - i < 63:
                 j += 1
-            buffers: list[bytes | bytearray | memoryview] = []
+            buffers: list[bytes | memoryview] = []
             for _, head, payload in ordered[i:j + 1]:
                 buffers += [head, payload, pad[:g.slot_bytes - g.meta_bytes - len(payload)]]
             want = (j + 1 - i) * g.slot_bytes

@@ -55,8 +55,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from gpu_pool.base import BlockPool
 from radixkv.disk.index import DiskIndex, Entry, Key
 from radixkv.disk.slots import FILE_NAME, ZERO_HASH, SlotFile, SlotMeta, chain_hash
@@ -263,12 +261,10 @@ class DiskTier(NoTier):
                     self._pending.pop(b, None)
                 self._cond.notify_all()
 
-    def _copy(self, b: int) -> bytearray:
+    def _copy(self, b: int) -> memoryview:
         """Pool block `b`'s bytes (numpy's copy lets the GIL go: other calls run meanwhile)."""
-        src = self.pool.block_bytes(b)
-        out = bytearray(len(src))
-        np.copyto(np.frombuffer(out, np.uint8), src)
-        return out
+        copy: memoryview = self.pool.block_bytes(b).copy().data
+        return copy
 
     def claimed(self, block_ids: Sequence[int]) -> None:
         """Under the service lock: pool blocks about to be handed out (to a lease, or to a
@@ -639,7 +635,7 @@ class DiskTier(NoTier):
                 slots = {slot for slot, _ in batch}
                 while any(slot in self._busy for slot in slots):  # a promotion reads one
                     self._cond.wait()
-            jobs: list[tuple[int, bytes, bytes | bytearray | memoryview] | int] = []
+            jobs: list[tuple[int, bytes, bytes | memoryview] | int] = []
             for slot, entry in batch:
                 payload = None if entry is None else entry.staging
                 if entry is None:
