@@ -11,8 +11,10 @@ they stay older than the runner-up's). Two rules on top:
   namespace's first, then whole leaves.
 
 Evicted blocks go to the tier below the pool first (`tier.demote`; radixkv/tiers.py), if there
-is one. `take` gives a lease the blocks made room for; `store` does both for a Match that stores the
-rest of its prompt (the two-trip path), with the window parts its namespace's kind plans.
+is one: it copies their bytes out after the locked section (`settle`), so a block is handed out
+only once no other call still copies out of it (`tier.claimed`). `take` gives a lease the
+blocks made room for; `store` does both for a Match that stores the rest of its prompt (the
+two-trip path), with the window parts its namespace's kind plans.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Reclaimer:
         """`num_blocks` blocks (the first `sinks` from the sink region) and `windows` window
         parts from the pool (`make_room` made room), now the lease's."""
         ids = tuple(self.pool.alloc(num_blocks, sinks=sinks)) if num_blocks else ()
+        self.tier.claimed(ids)  # (a block another call demoted is written once copied out)
         wids = tuple(self.pool.alloc_window(windows)) if windows else ()
         lease.owned.update(dict.fromkeys(ids + wids))
         return ids, wids

@@ -29,7 +29,9 @@ insert_many) are validated whole before the first effect; a failed allocate open
 A namespace lives while it holds blocks or leases; an empty one is dropped (its lifetime
 counters stay in the service totals).
 All public methods take one lock: the tree and pool are not thread-safe, and the work per call
-is microseconds, so finer locking would not pay on CPython (a Match's disk reads run off it).
+is microseconds, so finer locking would not pay on CPython (a Match's disk reads, and the copies
+of the blocks an Allocate or Match demotes to the disk tier, run off it: `settle`, after the
+locked section, on the same thread, before the call answers).
 
 Its parts: input checks (validation), the lease table (lease_table), the namespaces and their
 kind, full attention or sliding window (namespaces, kinds), making room (reclaim), the tier
@@ -145,27 +147,31 @@ class KVService:
         key = _client_key(owner, client)
         check = functools.partial(self._check_match_room, key, queries, sizes)
         plans = self._plan_promotions(queries, sizes, check)
-        with self._lock:
-            try:
-                check()
-            except BaseException:
-                self._abandon(plans)
-                raise
-            for (namespace, tokens), key_size, plan in zip(queries, sizes, plans, strict=True):
-                ns = self._namespaces.open(namespace, key_size)
-                lease = self._leases.open(owner, key, ns.name, ttl)
-                ns.num_leases += 1
-                if plan is not None:  # blocks read from the tier below go in first
-                    self._tier.apply(ns, plan, self._publish)
-                    self.events.publish_dropped(self._tier.take_dropped())
-                m = ns.match(lease, tokens)
-                answer = ns.answer(lease.lease_id, m, epoch)
-                self._recent.append((ns.span(tokens), answer.num_tokens))
-                out.append(answer)
-                found.append(m)
-            if store_tokens is not None:
-                out = [self._reclaim.store(o, queries[i][1], store_tokens[i], found[i])
-                       for i, o in enumerate(out)]
+        try:
+            with self._lock:
+                try:
+                    check()
+                except BaseException:
+                    self._abandon(plans)
+                    raise
+                for (namespace, tokens), key_size, plan in zip(queries, sizes, plans,
+                                                                strict=True):
+                    ns = self._namespaces.open(namespace, key_size)
+                    lease = self._leases.open(owner, key, ns.name, ttl)
+                    ns.num_leases += 1
+                    if plan is not None:  # blocks read from the tier below go in first
+                        self._tier.apply(ns, plan, self._publish)
+                        self.events.publish_dropped(self._tier.take_dropped())
+                    m = ns.match(lease, tokens)
+                    answer = ns.answer(lease.lease_id, m, epoch)
+                    self._recent.append((ns.span(tokens), answer.num_tokens))
+                    out.append(answer)
+                    found.append(m)
+                if store_tokens is not None:
+                    out = [self._reclaim.store(o, queries[i][1], store_tokens[i], found[i])
+                           for i, o in enumerate(out)]
+        finally:
+            self._tier.settle()  # the stores' demoted blocks copied out, before the answer
         return out
 
     def _check_match_room(self, key: str, queries: Sequence[tuple[str, bytes]],
@@ -185,17 +191,20 @@ class KVService:
         batch that fails them evicts nothing to make room. Nothing without a tier."""
         if not self._tier.present:
             return [None] * len(queries)
-        with self._lock:
-            check()
-            plans: list[Any] = []
-            try:
-                for (name, tokens), size in zip(queries, sizes, strict=True):
-                    ns = self._namespaces.get(name)
-                    plans.append(None if size else self._tier.plan(
-                        name, ns, tokens, functools.partial(self._make_room, ns)))
-            except BaseException:
-                self._abandon(plans)
-                raise
+        try:
+            with self._lock:
+                check()
+                plans: list[Any] = []
+                try:
+                    for (name, tokens), size in zip(queries, sizes, strict=True):
+                        ns = self._namespaces.get(name)
+                        plans.append(None if size else self._tier.plan(
+                            name, ns, tokens, functools.partial(self._make_room, ns)))
+                except BaseException:
+                    self._abandon(plans)
+                    raise
+        finally:  # what making room demoted, copied out before a read writes those blocks
+            self._tier.settle()
         if any(p is not None for p in plans):
             try:
                 self._tier.read([p for p in plans if p is not None])
@@ -227,6 +236,15 @@ class KVService:
         windows, sinks = num_window_blocks, int(starts_sequence)
         self._checks.allocate(num_blocks, windows)
         ttl = self._checks.ttl(ttl_s)
+        try:
+            return self._allocate(owner, lease_id, namespace, num_blocks, ttl, sinks, windows,
+                                  key_size, client)
+        finally:
+            self._tier.settle()  # the blocks it demoted copied out (off the lock), then answer
+
+    def _allocate(self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
+                  ttl: float, sinks: int, windows: int, key_size: int,
+                  client: str | None) -> Allocation:
         with self._lock:
             if lease_id:
                 lease = self._leases.get(owner, lease_id)

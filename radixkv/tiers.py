@@ -1,13 +1,16 @@
 """What the service asks of a tier below its pool, and the tier it has without one.
 
-The service calls these, under its lock except `read` and `sync_drops`, and never asks which
-tier it has:
+The service calls these, under its lock except `read`, `settle` and `sync_drops`, and never
+asks which tier it has:
 
     plan       before a Match (under the lock): which blocks below continue the prompt's cached
     read       prefix, and pool blocks reserved for them; then (off the lock) read them into
     apply      those blocks; then (under the lock again, before the Match reads the tree)
                insert them in the tree; `abandon` undoes a plan whose Match failed
-    demote     pool blocks the policy evicted, before they go back to the free list
+    demote     pool blocks the policy evicted, before they go back to the free list (their
+    settle     bytes are copied out by `settle`, off the lock, on the same thread, before the
+    claimed    call answers or reads into pool blocks); `claimed`: blocks taken from the free
+               list, to be handed out, once no other call still copies out of them
     take_dropped  blocks it dropped that the events had marked as below the pool (published)
     promoting  whether a promotion into a namespace is in flight (Clear waits for it)
     inserted   blocks an Insert adopted (the tier learns their keys; a copy below is dropped)
@@ -62,6 +65,16 @@ class NoTier:
     def demote(self, namespace: str, block_ids: Sequence[int],
                hashes: Sequence[int | None] = ()) -> None:
         """`block_ids` (still holding their KV; `hashes`: their event hashes) leave the pool."""
+
+    def settle(self) -> None:
+        """Off the service lock, after a locked section that may have demoted: copy the bytes
+        of the blocks this thread demoted out of the pool (before the call answers, and before
+        it reads a promotion into pool blocks)."""
+
+    def claimed(self, block_ids: Sequence[int]) -> None:
+        """Under the service lock: `block_ids` were just taken from the free list, to be
+        handed out (to a lease, or read into); returns once no other call's `settle` is still
+        to copy out of one of them."""
 
     def take_dropped(self) -> list[tuple[str, int]]:
         """(namespace, event hash) of each block demoted here since dropped, since the last

@@ -48,6 +48,15 @@ def test_disk_tier_bench_io_figures():
                                          report["fs_read_dd_GBps"]) > 0
 
 
+def test_demote_lock_bench():
+    """bench/demote_lock.py at its smallest: Matches timed while Allocates demote."""
+    report = json.loads(run(str(BENCH / "demote_lock.py"), "--preset", "smollm2-135m",
+                            "--pool-blocks", "40", "--alloc-blocks", "8", "--disk-blocks",
+                            "64", "--seconds", "0.5", "--json"))
+    assert report["matches"] > 0 and report["allocates"] > 0
+    assert report["demoted_blocks_per_s"] > 0 and report["match_p99_us"] > 0
+
+
 def test_workload_to_tree_replay(tmp_path):
     trace = tmp_path / "w.jsonl"
     run(str(BENCH / "gen_workload.py"), "--requests", "40", "--out", str(trace))

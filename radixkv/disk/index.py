@@ -27,8 +27,12 @@ Key = tuple[str, bytes]  # (namespace, chain hash)
 class Entry:
     meta: SlotMeta
     slot: int
-    staging: bytes | None = None  # the payload while its write is queued (write-back)
+    staging: bytes | memoryview | None = None  # the payload while its write is queued
     event_hash: int | None = None  # what the events named it by, if they marked it on disk
+    # the pool block its payload is still to be copied out of (a demotion not yet settled:
+    # radixkv/disk/tier.py); None once copied, or once it leaves the index (the copy is then
+    # not made, or not written)
+    pending: int | None = None
 
 
 class DiskIndex:
@@ -95,6 +99,7 @@ class DiskIndex:
         return entry
 
     def _forget(self, entry: Entry) -> None:
+        entry.pending = None  # (a copy not made yet is not written: its slot is another's)
         ns = entry.meta.namespace
         self.payload_bytes -= entry.meta.payload_len
         left = self._per_ns[ns] - 1

@@ -7,10 +7,18 @@
 Every cached block is in exactly one tier: in a namespace's tree (memory) or in the disk index
 (disk), never both; `check_integrity` proves it with the pool's free / leased / cached count.
 
-Demote copies the block's bytes out of the pool (a memcpy, under the service lock) and queues
-the write: a writer thread computes the CRC and writes batches of slots with os.pwritev, off
-the service lock. Until its write is done a demoted block is served from that copy, so it is
-hittable from the moment it leaves the pool.
+Demote, under the service lock, puts the block in the disk index with its payload pending
+(the pool block to copy it from) and goes on; the blocks go back to the free list (often
+straight to the Allocate that evicted them). Once the service call leaves its locked section,
+its own thread copies the pending payloads out of the pool (`settle`, off the service lock,
+numpy letting the GIL go) before it answers, and before a Match reads a promotion into pool
+blocks, then queues the writes: a writer thread computes the CRC and writes batches of slots
+with os.pwritev, off the service lock. Until its copy is made a block is not on disk for a
+Match (a miss: the plan stops there) nor for the writer; from then until its write is done it
+is served from that copy. Nobody writes a pool block whose bytes another call has still to copy
+out: a block is handed out (to a lease, or read into by a promotion) only after `claimed`,
+which waits, under the service lock, for the other calls' copies out of it (`settle` never
+takes that lock).
 
 Promote (the contract): a Match whose prompt continues past the pool's cached prefix into
 blocks on disk brings up to `promote_blocks` of them into pool blocks (evicting, so demoting,
@@ -105,6 +113,9 @@ class DiskTier(NoTier):
         self.pool = pool
         self.block_size = pool.layout.block_size
         self._bb = block_bytes(self.block_size)
+        # a block's payload bytes, by whether it is a sink block (the sink region is last)
+        self._payload_len = {pool.is_sink(b): len(pool.block_bytes(b))
+                             for b in (0, pool.num_full_blocks - 1)}
         self.promote_blocks = promote_blocks
         self.file = SlotFile(os.path.join(directory, FILE_NAME), pool.layout, capacity_blocks)
         self.index = DiskIndex(capacity_blocks)
@@ -130,6 +141,10 @@ class DiskTier(NoTier):
         self._error: BaseException | None = None  # the last write failed (it is retried)
         self._last_error = ""  # the last write or fsync error, kept after a recovery
         self._queued = self._done = 0  # writes queued, and written (or skipped), so far
+        # pool blocks demoted but not yet copied out -> the thread that copies them (settle);
+        # written under _cond and the service lock, waited for under _cond
+        self._pending: dict[int, int] = {}
+        self._local = threading.local()  # .pending: this thread's [(pool block, entry)]
         self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
         self._writer.start()
 
@@ -195,29 +210,100 @@ class DiskTier(NoTier):
 
     def demote(self, namespace: str, block_ids: Sequence[int],
                hashes: Sequence[int | None] = ()) -> None:
+        """Under the service lock: each block's entry, its payload pending (copied out of
+        the pool by this thread's `settle`)."""
+        me, mine = threading.get_ident(), None
         for b, h in zip(block_ids, hashes or [None] * len(block_ids), strict=True):
             key = self._mem.pop(b, None)
-            if key is not None:
-                self._put(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b), h)
-                self._counts["demoted_blocks"] += 1
+            if key is None:
+                continue
+            self._counts["demoted_blocks"] += 1
+            sink = self.pool.is_sink(b)
+            entry = self._put(key, self._payload_len[sink], sink, h)
+            if entry is not None:
+                if mine is None:
+                    mine = self._mine()
+                entry.pending = b
+                mine.append((b, entry))
+                with self._cond:
+                    self._pending[b] = me
 
-    def _put(self, key: BlockKey, payload: bytes, sink: bool,
-             event_hash: int | None = None) -> None:
+    def _mine(self) -> list[tuple[int, Entry]]:
+        mine: list[tuple[int, Entry]] | None = getattr(self._local, "pending", None)
+        if mine is None:
+            mine = self._local.pending = []
+        return mine
+
+    def settle(self) -> None:
+        """Off the service lock, on the thread that demoted (radixkv/tiers.py): its pending
+        payloads copied out of the pool into their entries, and their writes queued (waiting
+        for the writer when MAX_PENDING are queued). An entry that left the index meanwhile
+        (dropped, cleared, evicted for another) is neither copied nor written."""
+        mine = getattr(self._local, "pending", None)
+        if not mine:
+            return
+        self._local.pending = []
+        try:
+            for b, entry in mine:
+                payload = self._copy(b) if entry.pending == b else None
+                with self._cond:
+                    del self._pending[b]  # the block may be handed out again
+                    self._cond.notify_all()
+                    if payload is not None:
+                        self._room()
+                        if entry.pending == b:  # (still in the index, its slot its own)
+                            entry.staging = payload  # (first: a plan that sees it not
+                            entry.pending = None  # pending reads this copy, not the slot)
+                            self._append(entry.slot, entry)
+        finally:  # (the blocks are never waited for again; entries left pending are misses)
+            with self._cond:
+                for b, _ in mine:
+                    self._pending.pop(b, None)
+                self._cond.notify_all()
+
+    def _copy(self, b: int) -> memoryview:
+        """Pool block `b`'s bytes (numpy's copy lets the GIL go: other calls run meanwhile)."""
+        copy: memoryview = self.pool.block_bytes(b).copy().data
+        return copy
+
+    def claimed(self, block_ids: Sequence[int]) -> None:
+        """Under the service lock: pool blocks about to be handed out (to a lease, or to a
+        promotion's read) wait for any other thread's copy out of them (its `settle` runs off
+        that lock). A thread's own pending blocks are copied before it answers or reads."""
+        if not self._pending:
+            return
+        me = threading.get_ident()
+        with self._cond:
+            while any(self._pending.get(b, me) != me for b in block_ids):
+                self._cond.wait()
+
+    def _put(self, key: BlockKey, payload_len: int, sink: bool,
+             event_hash: int | None = None) -> Entry | None:
+        """The block's entry, newest in the index, its payload not given yet (the caller's:
+        pending, or `_put_now`). None: the writer is failing and the block is dropped."""
         if self._error is not None:  # the writer failed (logged): the block is dropped
             self._counts["evicted_blocks"] += 1
             if event_hash is not None:
                 self._dropped.append((key.namespace, event_hash))
-            return
+            return None
         self._seq += 1
         meta = SlotMeta(key.namespace, key.hash, key.parent, key.position, key.tokens,
-                        len(payload), sink and self.pool.num_sink_blocks > 0,
+                        payload_len, sink and self.pool.num_sink_blocks > 0,
                         self.file.generation, self._seq)
         self._free(self.index.drop((key.namespace, key.hash)))
-        entry, evicted = self.index.add(meta, payload)
+        entry, evicted = self.index.add(meta, None)
         entry.event_hash = event_hash
         self._counts["evicted_blocks"] += len(evicted)
         self._lost(evicted)
-        self._enqueue(entry.slot, entry)
+        return entry
+
+    def _put_now(self, key: BlockKey, payload: bytes, sink: bool,
+                 event_hash: int | None = None) -> None:
+        """`_put` with the payload in hand: its write queued now."""
+        entry = self._put(key, len(payload), sink, event_hash)
+        if entry is not None:
+            entry.staging = payload
+            self._enqueue(entry.slot, entry)
 
     def _lost(self, entries: Sequence[Entry]) -> None:
         """Entries dropped from the tier: the events must say so for those they marked here."""
@@ -240,13 +326,20 @@ class DiskTier(NoTier):
 
     def _enqueue(self, slot: int, entry: Entry | None) -> None:
         with self._cond:
-            # (not while a promotion reads: the writer may be waiting for its slots, and the
-            # promotion's own evictions come here before its read)
-            while len(self._queue) >= MAX_PENDING and not self._busy and self._error is None:
-                self._cond.wait(1.0)
-            self._queue.append((slot, entry))
-            self._queued += 1
-            self._cond.notify_all()
+            self._room()
+            self._append(slot, entry)
+
+    def _room(self) -> None:
+        """Under _cond: wait while MAX_PENDING writes are queued (not while a promotion reads:
+        the writer may be waiting for its slots, and the promotion's own evictions come here
+        before its read)."""
+        while len(self._queue) >= MAX_PENDING and not self._busy and self._error is None:
+            self._cond.wait(1.0)
+
+    def _append(self, slot: int, entry: Entry | None) -> None:
+        self._queue.append((slot, entry))
+        self._queued += 1
+        self._cond.notify_all()
 
     def cleared(self, namespace: str, block_ids: Sequence[int]) -> int:
         for b in block_ids:
@@ -302,8 +395,8 @@ class DiskTier(NoTier):
             tok = tokens[i * bb:(i + 1) * bb]
             h = chain_hash(parent, name, tok)
             entry = self.index.get((name, h))
-            if entry is None or entry.meta.tokens != tok:
-                break
+            if entry is None or entry.meta.tokens != tok or entry.pending is not None:
+                break  # (pending: its bytes are not copied out of the pool yet)
             found.append(entry)
             parent = h
         if not found:
@@ -337,6 +430,7 @@ class DiskTier(NoTier):
         """A pool block for each entry, of its slot's format: a sink block for a sink-format
         payload (its first tokens after the quantized part), a regular one for the rest."""
         got = self.pool.alloc(len(entries), sinks=sinks, exact=True)
+        self.claimed(got)  # (read into off the service lock)
         sink_ids, regular_ids = iter(got[:sinks]), iter(got[sinks:])
         return [next(sink_ids if e.meta.sink else regular_ids) for e in entries]
 
@@ -508,7 +602,7 @@ class DiskTier(NoTier):
         meta = entry.meta
         key = BlockKey(meta.namespace, meta.hash, meta.parent, meta.position, meta.tokens,
                        meta.sink)
-        self._put(key, payload, meta.sink, entry.event_hash)
+        self._put_now(key, payload, meta.sink, entry.event_hash)
 
     # ---- the writer ---------------------------------------------------------------------------
 
@@ -585,9 +679,11 @@ class DiskTier(NoTier):
             self._cond.notify_all()
 
     def flush(self) -> None:
-        """Wait until every queued write is done, then fsync."""
+        """Wait until every demotion is copied out and every queued write is done, then
+        fsync."""
+        self.settle()
         with self._cond:
-            while (self._queue or self._writing) and self._error is None:
+            while (self._pending or self._queue or self._writing) and self._error is None:
                 self._cond.wait(1.0)
         self.file.sync()
 
@@ -598,7 +694,8 @@ class DiskTier(NoTier):
             capacity_blocks=self.index.capacity, blocks=len(self.index),
             bytes=self.index.payload_bytes,
             slot_bytes=self.file.geometry.slot_bytes,
-            pending_writes=self._queued - self._done, generation=self.file.generation,
+            pending_writes=self._queued - self._done + len(self._pending),
+            generation=self.file.generation,
             state="ok" if self._error is None else "failing", last_error=self._last_error,
             **self._counts)
 
@@ -626,9 +723,13 @@ class DiskTier(NoTier):
         return None
 
     def close(self, write_down: bool) -> None:
+        self.settle()
+        with self._cond:  # other calls' copies out of the pool, queued
+            while self._pending:
+                self._cond.wait()
         if write_down:  # children first: on disk they are older than their parents
             for b, key in sorted(self._mem.items(), key=lambda kv: -kv[1].position):
-                self._put(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b))
+                self._put_now(key, bytes(self.pool.block_bytes(b).data), self.pool.is_sink(b))
             log.info("disk tier: %d cached pool blocks written down", len(self._mem))
         with self._cond:
             self._stop = True
