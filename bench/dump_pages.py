@@ -49,14 +49,14 @@ def build(num_nodes: int) -> KVService:
 
 
 class TimedLock:
-    """The service lock, timing each outermost hold of it (the service's lock is an RLock)."""
+    """The service lock, timing each outermost hold of it (the service's lock is reentrant)."""
 
     def __init__(self, lock) -> None:  # type: ignore[no-untyped-def]
         self.lock, self.depth, self.holds = lock, 0, []
         self.since = 0.0
 
     def __enter__(self) -> None:
-        self.lock.acquire()
+        self.lock.__enter__()
         self.depth += 1
         if self.depth == 1:
             self.since = time.perf_counter()
@@ -65,7 +65,7 @@ class TimedLock:
         if self.depth == 1:
             self.holds.append(time.perf_counter() - self.since)
         self.depth -= 1
-        self.lock.release()
+        self.lock.__exit__(*exc)
 
 
 def read_all(svc: KVService, page_size: int) -> int:

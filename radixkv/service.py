@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
@@ -65,7 +64,7 @@ from radixkv.lease_table import Lease, LeaseTable
 from radixkv.namespaces import Namespaces
 from radixkv.reclaim import Reclaimer
 from radixkv.service_config import ServiceConfig
-from radixkv.tiers import NoTier
+from radixkv.tiers import NoTier, SettlingLock
 from radixkv.types import Allocation, DumpPage, LeaseMatch, ServiceStats
 from radixkv.validation import InputChecks, check_namespace, hint_codes
 
@@ -91,7 +90,7 @@ class KVService:
         self.events = EventLog(self.block_size, self.config.event_buffer)
         self._clock = clock
         self._started = clock()
-        self._lock = threading.RLock()
+        self._lock = SettlingLock(self._tier)  # its release copies out what was demoted
         self._checks = InputChecks(self.config, pool)
         # the namespace kind, once: full attention, or sliding window (blocks have window parts)
         self.kind = kind_of(pool.layout.window_blocks)
@@ -147,31 +146,28 @@ class KVService:
         key = _client_key(owner, client)
         check = functools.partial(self._check_match_room, key, queries, sizes)
         plans = self._plan_promotions(queries, sizes, check)
-        try:
-            with self._lock:
-                try:
-                    check()
-                except BaseException:
-                    self._abandon(plans)
-                    raise
-                for (namespace, tokens), key_size, plan in zip(queries, sizes, plans,
-                                                                strict=True):
-                    ns = self._namespaces.open(namespace, key_size)
-                    lease = self._leases.open(owner, key, ns.name, ttl)
-                    ns.num_leases += 1
-                    if plan is not None:  # blocks read from the tier below go in first
-                        self._tier.apply(ns, plan, self._publish)
-                        self.events.publish_dropped(self._tier.take_dropped())
-                    m = ns.match(lease, tokens)
-                    answer = ns.answer(lease.lease_id, m, epoch)
-                    self._recent.append((ns.span(tokens), answer.num_tokens))
-                    out.append(answer)
-                    found.append(m)
-                if store_tokens is not None:
-                    out = [self._reclaim.store(o, queries[i][1], store_tokens[i], found[i])
-                           for i, o in enumerate(out)]
-        finally:
-            self._tier.settle()  # the stores' demoted blocks copied out, before the answer
+        with self._lock:  # (leaving it copies out what the stores demoted: SettlingLock)
+            try:
+                check()
+            except BaseException:
+                self._abandon(plans)
+                raise
+            for (namespace, tokens), key_size, plan in zip(queries, sizes, plans,
+                                                            strict=True):
+                ns = self._namespaces.open(namespace, key_size)
+                lease = self._leases.open(owner, key, ns.name, ttl)
+                ns.num_leases += 1
+                if plan is not None:  # blocks read from the tier below go in first
+                    self._tier.apply(ns, plan, self._publish)
+                    self.events.publish_dropped(self._tier.take_dropped())
+                m = ns.match(lease, tokens)
+                answer = ns.answer(lease.lease_id, m, epoch)
+                self._recent.append((ns.span(tokens), answer.num_tokens))
+                out.append(answer)
+                found.append(m)
+            if store_tokens is not None:
+                out = [self._reclaim.store(o, queries[i][1], store_tokens[i], found[i])
+                       for i, o in enumerate(out)]
         return out
 
     def _check_match_room(self, key: str, queries: Sequence[tuple[str, bytes]],
@@ -191,20 +187,17 @@ class KVService:
         batch that fails them evicts nothing to make room. Nothing without a tier."""
         if not self._tier.present:
             return [None] * len(queries)
-        try:
-            with self._lock:
-                check()
-                plans: list[Any] = []
-                try:
-                    for (name, tokens), size in zip(queries, sizes, strict=True):
-                        ns = self._namespaces.get(name)
-                        plans.append(None if size else self._tier.plan(
-                            name, ns, tokens, functools.partial(self._make_room, ns)))
-                except BaseException:
-                    self._abandon(plans)
-                    raise
-        finally:  # what making room demoted, copied out before a read writes those blocks
-            self._tier.settle()
+        with self._lock:  # (leaving it copies out what making room demoted, before the read)
+            check()
+            plans: list[Any] = []
+            try:
+                for (name, tokens), size in zip(queries, sizes, strict=True):
+                    ns = self._namespaces.get(name)
+                    plans.append(None if size else self._tier.plan(
+                        name, ns, tokens, functools.partial(self._make_room, ns)))
+            except BaseException:
+                self._abandon(plans)
+                raise
         if any(p is not None for p in plans):
             try:
                 self._tier.read([p for p in plans if p is not None])
@@ -236,15 +229,6 @@ class KVService:
         windows, sinks = num_window_blocks, int(starts_sequence)
         self._checks.allocate(num_blocks, windows)
         ttl = self._checks.ttl(ttl_s)
-        try:
-            return self._allocate(owner, lease_id, namespace, num_blocks, ttl, sinks, windows,
-                                  key_size, client)
-        finally:
-            self._tier.settle()  # the blocks it demoted copied out (off the lock), then answer
-
-    def _allocate(self, owner: str, lease_id: int | None, namespace: str, num_blocks: int,
-                  ttl: float, sinks: int, windows: int, key_size: int,
-                  client: str | None) -> Allocation:
         with self._lock:
             if lease_id:
                 lease = self._leases.get(owner, lease_id)

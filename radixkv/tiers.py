@@ -19,10 +19,13 @@ asks which tier it has:
     stats      its figures; check_integrity its invariants
 
 `NoTier` is the pool alone: every hook does nothing. The disk tier is radixkv/disk/tier.py.
+`SettlingLock` is the service's lock: leaving its outermost hold settles, so no locked section
+that demoted can answer (or leave a copy owed that another call's `claimed` would wait on).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -106,3 +109,25 @@ class NoTier:
 
     def close(self, write_down: bool) -> None:
         """Stop; with `write_down`, first write the pool's cached blocks to the tier."""
+
+
+class SettlingLock:
+    """The service's lock (reentrant): when a thread leaves its outermost hold, the tier
+    settles that thread's demotions (`settle`, off the lock), whatever the locked section was
+    and however it ended."""
+
+    def __init__(self, tier: NoTier) -> None:
+        self._lock = threading.RLock()
+        self._tier = tier
+        self._depth = 0  # the holder's nesting (only the holder changes it)
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        outermost = self._depth == 0
+        self._lock.release()
+        if outermost:
+            self._tier.settle()
