@@ -85,9 +85,8 @@ from radixkv.integrations.held import HeldLeases
 from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
 from radixkv.integrations.releaser import Releaser
-from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
+from radixkv.limits import MAX_KEY_SIZE, MIN_KEY_SIZE, MIN_LEASE_TTL_S
 from radixkv.types import LeaseMatch
-from radixkv.validation import MIN_LEASE_TTL_S
 
 log = logging.getLogger("radixkv.integrations.sglang")
 
