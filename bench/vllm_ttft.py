@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/vllm_ttft.py --json    # long on 2 cores: docs/vllm.md says how long
 
-The engines are vLLM (CPU, `vllm.LLM`) processes of radixkv.integrations.vllm_driver, run with
+The engines are vLLM (CPU, `vllm.LLM`) processes of radixkv.integrations.vllm.driver, run with
 .venv-vllm's python (`scripts/bootstrap_vllm` runs first if that venv is missing), on SmolLM2
 (bf16, block size 128), all pinned to one CPU (`--cpu`) and timed one at a time; prompts are
 slices of English prose (the pydoc corpus). TTFT is vLLM's own per-request metric (arrival to
@@ -108,7 +108,7 @@ def ttft(answer: dict[str, Any]) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from radixkv.engines import models
-    from radixkv.integrations.vllm_driver import Driver
+    from radixkv.integrations.vllm.driver import Driver
 
     python = engine_python("vllm")
     model = str(models.ensure_converted(models.get_spec(models.REAL_MODEL))[0])

@@ -26,9 +26,6 @@ from radixkv.lease_table import Lease
 from radixkv.tokens import TOKEN_BYTES
 from radixkv.types import LeaseMatch, NamespaceStats
 
-MIN_KEY_SIZE = 8
-MAX_KEY_SIZE = 64
-
 
 class KeyNamespace(Namespace):
     """A namespace whose blocks are named by `key_size`-byte keys."""

@@ -37,8 +37,9 @@ from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.hints import NO_HINT
 from radixkv.index.results import BlockRemoved, InsertResult, MatchResult, NodeView, TreeEvent
 from radixkv.index.tree import RadixTree
-from radixkv.index.window_tree import HOLE, WindowedRadixTree, WindowMatch
+from radixkv.index.window_tree import WindowedRadixTree, WindowMatch
 from radixkv.lease_table import Lease
+from radixkv.limits import HOLE
 from radixkv.tokens import block_bytes, ids_to_bytes, num_tokens
 from radixkv.types import LeaseMatch, NamespaceStats, WindowLeaseMatch
 

@@ -12,8 +12,7 @@ import numpy as np
 
 from radixkv.errors import InvalidArgument
 from radixkv.index.hints import NO_HINT, parse_hint
-from radixkv.index.window_tree import HOLE
-from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
+from radixkv.limits import HOLE, MAX_KEY_SIZE, MIN_KEY_SIZE, MIN_LEASE_TTL_S
 from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 if TYPE_CHECKING:
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 MAX_NAMESPACE_LEN = 256
 # Namespace names: printable ASCII without spaces ("llama3-8b@rev1", "tenant-a/chat:v2").
 NAMESPACE_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
-MIN_LEASE_TTL_S = 1.0  # the shortest TTL a call may ask for (unless the default is shorter)
 
 
 def check_namespace(namespace: str) -> None:

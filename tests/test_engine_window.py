@@ -46,7 +46,7 @@ from radixkv.engines.window_cache import (  # noqa: E402
     window_start,
 )
 from radixkv.errors import FailedPrecondition, InvalidArgument  # noqa: E402
-from radixkv.index.window_tree import HOLE  # noqa: E402
+from radixkv.limits import HOLE  # noqa: E402
 from radixkv.server.launch import start_server  # noqa: E402
 
 ATOL = 1e-4

@@ -1,7 +1,7 @@
 """The layering the README's architecture section promises, read from the import graph:
 gpu_pool imports nothing of radixkv; the service side never imports the replay tool or the CLI;
-the client side loads nothing of the service, the server or the index; the package never imports
-bench/."""
+the client side and the engine integrations load nothing of the service, the server or the
+index; the package never imports bench/."""
 
 from __future__ import annotations
 
@@ -198,19 +198,70 @@ def test_no_private_name_is_imported_across_modules() -> None:
 
 
 # what a client must not load: the service and its parts, the server, the index
-SERVICE_SIDE = ("radixkv.service", "radixkv.server", "radixkv.index", "radixkv.events")
+SERVICE_SIDE = ("radixkv.service", "radixkv.server", "radixkv.index", "radixkv.events",
+                "radixkv.kinds", "radixkv.lease_table", "radixkv.namespaces", "radixkv.keyed",
+                "radixkv.validation", "radixkv.reclaim", "radixkv.tiers", "radixkv.disk",
+                "radixkv.service_config", "radixkv.cluster")
+
+# the engine-side modules, all but those that import the engine itself (vLLM, SGLang)
+ENGINE_FREE_INTEGRATIONS = [
+    ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    for p in sorted((REPO / "radixkv" / "integrations").rglob("*.py"))
+    if p.relative_to(REPO).as_posix() not in ("radixkv/integrations/vllm/connector.py",
+                                              "radixkv/integrations/sglang/store.py")]
 
 
-@pytest.mark.parametrize("module", ["radixkv.client", "radixkv.lease", "radixkv.wire"])
-def test_the_client_side_loads_no_service_server_or_index(module: str) -> None:
-    """What an engine imports, in a fresh interpreter, loads none of the service side."""
-    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+def loaded_by(*names: str) -> list[str]:
+    """The modules importing `names` loads, in a fresh interpreter."""
+    code = f"import importlib, sys\nfor n in {list(names)!r}: importlib.import_module(n)\n" \
+           "print(' '.join(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    loaded = out.stdout.split()
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("module", ["radixkv.client", "radixkv.lease", "radixkv.wire",
+                                    "radixkv.limits"])
+def test_the_client_side_loads_no_service_server_or_index(module: str) -> None:
+    """What an engine imports, in a fresh interpreter, loads none of the service side."""
+    loaded = loaded_by(module)
     assert module in loaded
     assert [m for m in loaded if within(m, SERVICE_SIDE)] == []
+
+
+def test_the_integrations_load_no_service_server_or_index() -> None:
+    """The engine-side modules that import no engine, in a fresh interpreter, load none of the
+    service side (the two that need vLLM or SGLang: the next test reads their imports)."""
+    assert "radixkv.integrations.vllm.scheduler" in ENGINE_FREE_INTEGRATIONS
+    loaded = loaded_by(*ENGINE_FREE_INTEGRATIONS)
+    assert [m for m in loaded if within(m, SERVICE_SIDE)] == []
+
+
+def test_no_integration_imports_the_service_side() -> None:
+    """Every module under radixkv/integrations, with all the package modules it imports in
+    turn (and their packages), read from the source: none is of the service side. This covers
+    the vLLM connector and the SGLang store too, which need their engine to import."""
+    known = package_modules()
+    graph = {name: import_edges(name, path, known)[0] for name, path in known.items()}
+    roots = [n for n in known if within(n, ("radixkv.integrations",))]
+    assert {"radixkv.integrations.vllm.connector",
+            "radixkv.integrations.sglang.store"} <= set(roots)
+    found = {}
+    for root in roots:
+        seen: set[str] = set()
+        todo = [root]
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                parts = name.split(".")
+                todo += graph[name] | {".".join(parts[:i]) for i in range(1, len(parts))
+                                       if ".".join(parts[:i]) in known}
+        bad = sorted(n for n in seen if within(n, SERVICE_SIDE))
+        if bad:
+            found[root] = bad
+    assert found == {}
 
 
 def names_in(path: Path) -> set[str]:

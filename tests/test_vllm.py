@@ -1,6 +1,6 @@
 """The vLLM connector with real vLLM (CPU), a real radixkv server and the real model (SmolLM2).
 
-Two vLLM engines run in their own processes (radixkv.integrations.vllm_driver, with the vLLM
+Two vLLM engines run in their own processes (radixkv.integrations.vllm.driver, with the vLLM
 venv's python, .venv-vllm from scripts/bootstrap_vllm), each loaded once for the module; the
 tests run in file order on one radixkv socket: B starts while radixkv is absent, A writes
 prefixes that B reuses, radixkv is SIGKILLed and restarted under them.
@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from radixkv.client import STORE_ALL, Client
-from radixkv.integrations.vllm_driver import Driver
+from radixkv.integrations.vllm.driver import Driver
 from radixkv.server.launch import ServerProcess, start_server
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,14 +23,10 @@ pytest.importorskip("grpc", reason="radixkv's server needs grpcio")
 from gpu_pool.layout import KVLayout  # noqa: E402
 from radixkv.client import STORE_ALL, Client  # noqa: E402
 from radixkv.integrations.link import Link  # noqa: E402
-from radixkv.integrations.vllm_scheduler import (  # noqa: E402
-    Load,
-    Save,
-    SchedulerSide,
-    Stats,
-    check_layout,
-)
-from radixkv.integrations.vllm_worker import WorkerSide  # noqa: E402
+from radixkv.integrations.vllm.messages import Load, Save  # noqa: E402
+from radixkv.integrations.vllm.scheduler import SchedulerSide, check_layout  # noqa: E402
+from radixkv.integrations.vllm.stats import Stats  # noqa: E402
+from radixkv.integrations.vllm.worker import WorkerSide  # noqa: E402
 from radixkv.server.launch import ServerProcess, start_server  # noqa: E402
 
 HEADS, DIM, BLOCK, PAGES = 2, 16, 16, 8

@@ -51,8 +51,9 @@ def _side(sock: str, device: str, seed: int, tokens: list[int], pages: list[int]
     try:
         from radixkv.client import STORE_ALL
         from radixkv.integrations.link import Link
-        from radixkv.integrations.vllm_scheduler import Load, Save, Stats
-        from radixkv.integrations.vllm_worker import WorkerSide
+        from radixkv.integrations.vllm.messages import Load, Save
+        from radixkv.integrations.vllm.stats import Stats
+        from radixkv.integrations.vllm.worker import WorkerSide
 
         if device == "cuda":
             torch.cuda.set_device(0)

@@ -1,4 +1,4 @@
-"""The vLLM connector's layer-wise loads (radixkv.integrations.vllm_loader) through a real radixkv
+"""The vLLM connector's layer-wise loads (radixkv.integrations.vllm.loader) through a real radixkv
 server: a writer stores its pages (copy into the pool, Insert), a reader loads them on its
 loader thread layer by layer while its own thread waits for each layer in turn, as vLLM's
 attention does (`wait_for_layer_load`). vLLM itself is not needed: WorkerSide gets vLLM-shaped
@@ -23,9 +23,10 @@ pytest.importorskip("grpc", reason="radixkv's server needs grpcio")
 from radixkv.client import STORE_ALL  # noqa: E402
 from radixkv.errors import LeaseExpired, NotFound  # noqa: E402
 from radixkv.integrations.link import Link  # noqa: E402
-from radixkv.integrations.vllm_loader import parse_cpus  # noqa: E402
-from radixkv.integrations.vllm_scheduler import Load, Save, Stats  # noqa: E402
-from radixkv.integrations.vllm_worker import WorkerSide  # noqa: E402
+from radixkv.integrations.vllm.loader import parse_cpus  # noqa: E402
+from radixkv.integrations.vllm.messages import Load, Save  # noqa: E402
+from radixkv.integrations.vllm.stats import Stats  # noqa: E402
+from radixkv.integrations.vllm.worker import WorkerSide  # noqa: E402
 from radixkv.server.launch import ServerProcess, start_server  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK, PAGES = 6, 2, 16, 16, 12

@@ -12,7 +12,7 @@ import torch
 
 from radixkv.client import Client
 from radixkv.errors import InvalidArgument, OutOfBlocks, PermissionDenied
-from radixkv.index.window_tree import HOLE
+from radixkv.limits import HOLE
 from tests._server import BLOCK_SIZE, running_server
 
 B = BLOCK_SIZE

@@ -12,7 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixkv.errors import InvalidArgument
 from radixkv.index.results import WindowRemoved, WindowStored
-from radixkv.index.window_tree import HOLE, WindowedRadixTree
+from radixkv.index.window_tree import WindowedRadixTree
+from radixkv.limits import HOLE
 
 B = 2
 Path = tuple[tuple[int, ...], ...]

@@ -31,7 +31,7 @@ import time
 from typing import IO, Any
 
 from radixkv.client import Client
-from radixkv.index.window_tree import HOLE
+from radixkv.limits import HOLE
 from radixkv.tokens import from_token_bytes, num_tokens
 from radixkv.types import NodeView
 from radixkv.v1 import radixkv_pb2 as pb

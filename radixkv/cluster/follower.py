@@ -39,7 +39,7 @@ from radixkv.cluster.index import ClusterIndex
 from radixkv.cluster.membership import MemberInfo
 from radixkv.errors import InvalidArgument, NotFound, RadixKVError, StalePool, Unavailable
 from radixkv.events import chain_hashes
-from radixkv.index.window_tree import HOLE
+from radixkv.limits import HOLE
 from radixkv.types import NodeView
 
 log = logging.getLogger("radixkv.cluster")

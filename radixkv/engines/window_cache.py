@@ -41,7 +41,7 @@ import torch
 
 from gpu_pool.layout import KVLayout
 from radixkv.errors import FailedPrecondition, OutOfBlocks
-from radixkv.index.window_tree import HOLE
+from radixkv.limits import HOLE
 
 log = logging.getLogger("radixkv.engines.window_cache")
 

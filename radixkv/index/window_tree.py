@@ -37,9 +37,8 @@ from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.node import Handle, Node
 from radixkv.index.results import InsertResult, MatchResult, WindowRemoved, WindowStored
 from radixkv.index.tree import RadixTree
+from radixkv.limits import HOLE
 from radixkv.tokens import TokensLike, to_token_bytes
-
-HOLE = 0xFFFFFFFF  # a block without its window part
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.errors import InvalidArgument, OutOfBlocks
-from radixkv.index.window_tree import HOLE
+from radixkv.limits import HOLE
 from radixkv.tokens import block_bytes, num_tokens
 
 _PERSON = b"radixkv-replay"

@@ -20,47 +20,26 @@ call's keys stand alone (a path from the root).
 - `batch_get_v1`: under the exists' lease (else a fresh Match), the cached run's blocks are
   copied from radixkv's mapped pool into SGLang's host pool slots, then the lease is released:
   one Match and one Release per prefetched batch, the Release not waited for where the copy is
-  known to have run under the pins (below). A key past a gap is never loaded.
+  known to have run under the pins (ends.py). A key past a gap is never loaded.
 - `batch_set_v1`: Match, which also allocates blocks for the uncached pages, copy the host pages
   into them, answer, and the Insert (which ends the lease) goes out unwaited after the copy
-  (releaser.Releaser): one waited call. Pages already cached are not copied again; no room
-  (every block pinned) fails the uncached pages only.
+  (ends.py): one waited call. Pages already cached are not copied again; no room (every block
+  pinned) fails the uncached pages only.
 
-Why a set may answer True before its Insert is confirmed: SGLang (0.5.23, cache_controller's
-_page_backup and unified_radix_cache's _drain_backup) uses a True only to go on to the call's
-next batch, to drop its host lock on the node (its host slots may then be freed and reused,
-which is safe: the copy out of them has ended, and on a CUDA pool it is synchronized first) and
-to count backed-up tokens. It never takes a True as a promise that a later batch_exists or get
-will find the pages: those ask radixkv, which may evict any unpinned block at any moment. An
-Insert that fails after the answer (its lease expired, radixkv restarted, died or refused it)
-is thus, for SGLang, an eviction right after a successful Insert: the pages are not found and
-are recomputed. No wrong bytes can be served: blocks become matchable only through the Insert,
-which is sent after the copy ended, and radixkv refuses the Insert of a lease that ended (a
-copy that outlived its lease inserts nothing). A failure is counted (`set_insert_failed_pages`)
-and logged once per kind. Within one backend, reads see its writes: batch_exists, the gets,
-clear, close and counters first wait for the Inserts queued so far (no wait when none is), and
-a set whose prefix is not found while Inserts are queued waits for them and matches again.
+Within one backend, reads see its writes: batch_exists, the gets, clear, close and counters
+first wait for the Inserts queued so far (no wait when none is), and a set whose prefix is not
+found while Inserts are queued waits for them and matches again.
 
 Copies go between SGLang's host pool (`page_first` or `page_first_direct`) and radixkv's
-canonical [layers, 2, block, heads, dim] blocks (layout.HostPages). The namespace names the
-model, TP/PP/DP rank and size, dtype and page size (`namespace` in the extra config replaces
-the model part). `register_mem_pool_host` refuses a host pool whose geometry differs from
-radixkv's pool, naming both.
+canonical [layers, 2, block, heads, dim] blocks (layout.HostPages; the host slots checked by
+slots.py). The namespace names the model, TP/PP/DP rank and size, dtype and page size
+(`namespace` in the extra config replaces the model part; keys.py). `register_mem_pool_host`
+refuses a host pool whose geometry differs from radixkv's pool, naming both.
 
 Failures never leave here as exceptions and never as wrong bytes: a radixkv that is down or
 restarting (link.Link) makes batch_exists 0 and the get/set calls False (SGLang recomputes or
-skips the backup); a copy counts only if its lease's pins held until the copy ended. A lease's
-pins end only by its Release (this backend's), by its TTL (radixkv's CLOCK_MONOTONIC, the one
-this process reads: the same machine), or with radixkv's process: a Clear is refused while a
-lease pins anything, eviction takes unpinned blocks only, and disk-tier promotions fill free
-blocks. So on a host pool (a shared-memory file of the serving process, never reused) a copy
-that ended before (Match sent + TTL granted - `release_margin_s`, 0.1 s by default), with that
-process still alive after it, read pinned bytes: the get answers at once and its Release goes
-out unwaited (releaser.Releaser, one thread sending what is queued as one call; a failure is
-counted, `release_failures`). Otherwise (a
-CUDA pool, a copy past that time, a pool whose owner is gone or unknown) the Release is waited
-for and its answer decides, as before. Stale held leases, and those of exists and sets whose
-answer is already known, are released unwaited too.
+skips the backup); a copy counts only if its lease's pins held until the copy ended (ends.py:
+when a Release or an Insert need not be waited for; docs/sglang.md has the whole argument).
 """
 
 from __future__ import annotations
@@ -68,34 +47,33 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from gpu_pool.handle import pid_alive
 from radixkv.client import Client
 from radixkv.errors import LeaseExpired, NotFound, PermissionDenied
 from radixkv.integrations.held import HeldLeases
 from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
-from radixkv.integrations.releaser import Releaser
-from radixkv.keyed import MAX_KEY_SIZE, MIN_KEY_SIZE
+from radixkv.integrations.sglang.ends import LeaseEnds
+from radixkv.integrations.sglang.flat import FlatPages
+from radixkv.integrations.sglang.keys import KeyPaths, namespace_name
+from radixkv.integrations.sglang.slots import HostSlots
+from radixkv.limits import MIN_LEASE_TTL_S
 from radixkv.types import LeaseMatch
-from radixkv.validation import MIN_LEASE_TTL_S
 
 log = logging.getLogger("radixkv.integrations.sglang")
 
 T = TypeVar("T")
-_UNSAFE = re.compile(r"[^!-~]")  # namespace names: printable ASCII without spaces
 
 
-class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
+class RadixKVStore(FlatPages, HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.config = storage_config
@@ -103,6 +81,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         self.target: str | None = extra.get("socket") or os.environ.get("RADIXKV_SOCKET")
         self.namespace = ""
         self.pages: HostPages | None = None
+        self.slots: HostSlots | None = None
         self.mem_pool_host: Any = None
         self.stats = {"exists_calls": 0, "exists_hit_pages": 0, "get_pages": 0,
                       "get_failed_pages": 0, "set_pages": 0, "set_stored_pages": 0,
@@ -110,14 +89,12 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                       "get_leases_lost": 0, "get_releases_nowait": 0,
                       "get_releases_waited": 0, "release_failures": 0,
                       "set_insert_failed_pages": 0, "bad_slot_pages": 0}
-        self._insert_errors_logged: set[str] = set()
-        self.margin_s = float(extra.get("release_margin_s", 0.1))
         self._default_ttl: dict[str, float] = {}  # pool epoch -> the TTL a Match of 0 gets
-        self._warned_prefix = False
-        self._warned_slots = False
+        self.keys = KeyPaths()
         self.hold_s = float(extra.get("exists_hold_s", 5.0))  # within radixkv's TTL cap
         self.held = HeldLeases(self.hold_s)
-        self.releaser = Releaser(self._release_failed, "radixkv-sglang-release")
+        self.ends = LeaseEnds(self.stats, float(extra.get("release_margin_s", 0.1)))
+        self.releaser = self.ends.releaser
         # per batch since the last get_stats, as SGLang's storage metrics take them
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [],
                                                  "prefetch_bandwidth": [],
@@ -138,6 +115,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             self.pages = HostPages(host.layout, host.page_size)
         except LayoutError as e:
             raise LayoutMismatch(str(e)) from None
+        self.slots = HostSlots(host, direct=self.pages.layout == "page_first_direct")
         if getattr(host, "kv_buffer", None) is None or getattr(host, "v_head_dim",
                                                                 host.head_dim) != host.head_dim:
             raise LayoutMismatch(f"SGLang host pool {type(host).__name__} is not an MHA pool "
@@ -146,19 +124,10 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         if dtype is None:
             raise LayoutMismatch(f"SGLang's KV dtype {host.dtype} has no radixkv pool dtype")
         self.want = (host.layer_num, host.head_num, host.head_dim, dtype, host.page_size)
-        self.namespace = self._namespace(dtype, host.page_size)
+        self.namespace = namespace_name(self.config, self.extra, dtype, host.page_size)
         if self.link.start():  # LayoutMismatch (a refusal) propagates: SGLang does not start
             log.info("radixkv HiCache backend at %s: namespace %s",
                      self.target or "the default socket", self.namespace)
-
-    def _namespace(self, dtype: str, page_size: int) -> str:
-        c = self.config
-        model = self.extra.get("namespace") or getattr(c, "model_name", None) or "model"
-        name = (f"sglang:{model}/tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}"
-                f"/dp{getattr(c, 'dp_rank', 0)}/{dtype}/page{page_size}")
-        if getattr(c, "is_mla_model", False):  # one writer for every rank: one namespace
-            name = name.replace(f"tp{c.tp_rank}of{c.tp_size}", "mla")
-        return _UNSAFE.sub("_", name)[:256]
 
     def _check(self, client: Client) -> None:
         dtype, page = self.want[3], self.want[4]
@@ -176,7 +145,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         """How many of `keys`, from the first, radixkv holds (0 while it is down)."""
         self.stats["exists_calls"] += 1
         self.releaser.wait_inserts()  # read this backend's writes
-        path, skip = self._path(keys, extra_info)
+        path, skip = self.keys.path(keys, extra_info)
         if path is None:
             return 0
 
@@ -186,9 +155,9 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             m = self._match(client, path, ttl=ttl)
             hits = max(0, len(m.block_ids) - skip)
             if hits and ttl > 0:  # pinned for the get that follows
-                self._release(client, self.held.hold(path, skip, m, sent, ttl))
+                self.ends.release(client, self.held.hold(path, skip, m, sent, ttl))
             else:
-                self._release(client, [m])
+                self.ends.release(client, [m])
             return hits
 
         hits = self._call(run, 0)
@@ -200,7 +169,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         """Load the leading run of `keys` into the host slots (page_size per key)."""
         self.stats["get_pages"] += len(keys)
         self.releaser.wait_inserts()
-        path, skip = self._path(keys, extra_info)
+        path, skip = self.keys.path(keys, extra_info)
         out = [False] * len(keys)
         if path is None or self.pages is None:
             return out
@@ -211,7 +180,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
 
         def run(client: Client) -> int:
             held, stale = self.held.take(path, skip)
-            self._release(client, stale)
+            self.ends.release(client, stale)
             if held is not None and held.match.epoch != client.epoch:
                 held = None  # radixkv restarted since the exists: that lease went with its pool
             if held is None:
@@ -231,12 +200,11 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                 with contextlib.suppress(Exception):
                     client.release(m.lease_id)
                 raise
-            if ttl > 0 and time.monotonic() < sent + ttl - self.margin_s \
-                    and _owner_alive(mapping):
+            if self.ends.pins_held(sent, ttl, mapping):
                 # the copy ended within the lease's TTL, its pool's process alive after it:
                 # the pins held through it, whatever the Release answers
                 self.stats["get_releases_nowait"] += 1
-                self._release(client, [m])
+                self.ends.release(client, [m])
                 return len(blocks)
             self.stats["get_releases_waited"] += 1
             try:  # the pins held through the copy only if the lease is still valid now
@@ -258,7 +226,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                      extra_info: Any = None) -> list[bool]:
         """Store the host pages of `keys` (already cached ones are not copied again)."""
         self.stats["set_pages"] += len(keys)
-        path, skip = self._path(keys, extra_info)
+        path, skip = self.keys.path(keys, extra_info)
         if path is None or self.pages is None:
             return [False] * len(keys)
         starts = self._page_starts(host_indices, len(keys))
@@ -272,14 +240,14 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             m = self._match(client, path, store=True)
             if len(m.block_ids) < skip and self.releaser.inserting:
                 # the prefix may be in an Insert still queued (the batch before this one)
-                self._release(client, [m])
+                self.ends.release(client, [m])
                 self.releaser.wait_inserts()
                 m = self._match(client, path, store=True)
             have, ids = len(m.block_ids), m.new_block_ids
             if have < skip or m.alloc_error or not ids:
                 # the prefix is gone (nothing to hang these pages on), no room (the pages
                 # cached already count), or every page is cached
-                self._release(client, [m])
+                self.ends.release(client, [m])
                 cached = max(0, have - skip)
                 return [True] * cached + [False] * (stored - cached)
             assert self.pages is not None
@@ -288,7 +256,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
                             to_pool=True)
             if view.is_cuda:  # the host slots are SGLang's again once we answer
                 torch.cuda.synchronize(view.device)
-            self._insert(client, path, m, m.block_ids + ids, len(ids))
+            self.ends.insert(client, self.namespace, path, m, m.block_ids + ids, len(ids))
             return [True] * stored
 
         start = time.perf_counter()
@@ -296,68 +264,6 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         self._record("backup", done.count(True), time.perf_counter() - start)
         self.stats["set_failed_pages"] += done.count(False)
         return done
-
-    # ---- the generic interface (one page at a time, as flat tensors) -------------------------
-
-    def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
-
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
-        got = self.batch_get([key], [target_location])
-        return got[0] if isinstance(got, list) else None
-
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[torch.Tensor | None]:
-        """Pages as flat tensors of SGLang's dummy page shape [2, layers, page, heads, dim]
-        (into `target_locations` where given); None from the first miss on."""
-        self.releaser.wait_inserts()
-        path, _ = self._path(keys, None)
-        out: list[torch.Tensor | None] = [None] * len(keys)
-        if path is None:
-            return out
-
-        def run(client: Client) -> bool:
-            m = self._match(client, path)
-            try:
-                view = client.pool_of(m.epoch).view()
-                for i, b in enumerate(m.block_ids):
-                    page = view[b].transpose(0, 1).flatten()  # [2, layers, page, heads, dim]
-                    if target_locations is not None and target_locations[i] is not None:
-                        target_locations[i].copy_(page)
-                        out[i] = target_locations[i]
-                    else:
-                        out[i] = page.clone()
-            finally:
-                client.release(m.lease_id)
-            return True
-
-        return out if self._call(run, False) else [None] * len(keys)
-
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
-        return self.batch_set([key], [value])
-
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
-        """Store flat pages in SGLang's dummy page shape [2, layers, page, heads, dim]."""
-        path, _ = self._path(keys, None)
-        if path is None or values is None or len(values) != len(keys):
-            return False
-
-        def run(client: Client) -> bool:
-            m = self._match(client, path, store=True)
-            if m.alloc_error:
-                client.release(m.lease_id)
-                return False
-            view = client.pool_of(m.epoch).view()
-            layers, heads, dim, _, page = self.want
-            for b, value in zip(m.new_block_ids, values[len(m.block_ids):], strict=True):
-                view[b] = value.reshape(2, layers, page, heads, dim).transpose(0, 1)
-            client.insert_keys(self.namespace, path, m.block_ids + m.new_block_ids,
-                               m.lease_id, epoch=m.epoch, release=True)
-            return True
-
-        return self._call(run, False)
 
     # ---- the rest ----------------------------------------------------------------------------
 
@@ -368,7 +274,7 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         self.releaser.flush()  # the Clear is refused while any lease pins a block
 
         def run(client: Client) -> int:
-            self._release_waited(client, self.held.drain())  # before the Clear, which
+            self.ends.release_waited(client, self.held.drain())  # before the Clear, which
             return client.clear(self.namespace)  # is refused while they pin anything
 
         self._call(run, 0)
@@ -395,35 +301,11 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
         self.releaser.wait_inserts()
         ids = self.held.drain()
         if ids:
-            self._call(lambda c: self._release_waited(c, ids), None)  # before closing
+            self._call(lambda c: self.ends.release_waited(c, ids), None)  # before closing
         self.releaser.close()
         self.link.close()
 
     # ---- internals ---------------------------------------------------------------------------
-
-    def _path(self, keys: Sequence[str], extra_info: Any) -> tuple[list[bytes] | None, int]:
-        """The key path from the sequence start (prefix keys, then `keys`) as bytes, and where
-        `keys` start in it; (None, 0), logged, for a key that is not hex of 8..64 bytes."""
-        prefix = getattr(extra_info, "prefix_keys", None)
-        if prefix is None and not self._warned_prefix and extra_info is not None:
-            self._warned_prefix = True
-            log.warning("radixkv: SGLang passes no prefix keys; set "
-                        "\"hicache_storage_pass_prefix_keys\": true in the extra config so "
-                        "that pages stored in separate calls form one path")
-        try:
-            path = [bytes.fromhex(k) for k in (*(prefix or ()), *keys)]
-        except (ValueError, TypeError) as e:
-            log.error("radixkv: SGLang gave a page key that is not hex (%s): %s", e,
-                      next((k for k in keys if not _is_hex(k)), "?"))
-            return None, 0
-        bad = next((k for k in path if len(k) != len(path[0]) or len(k) % 4
-                    or not MIN_KEY_SIZE <= len(k) <= MAX_KEY_SIZE), None)
-        if not path or bad is not None:
-            log.error("radixkv: page keys must be hex of %d..%d bytes (a multiple of 4), all of "
-                      "one size; got %d bytes", MIN_KEY_SIZE, MAX_KEY_SIZE,
-                      len(bad) if bad is not None else 0)
-            return None, 0
-        return path, len(prefix or ())
 
     def _match(self, client: Client, path: list[bytes], store: bool = False,
                ttl: float = 0.0) -> LeaseMatch:
@@ -440,52 +322,6 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             self.link.confirm_epoch(m.epoch)
         return m
 
-    def _release(self, client: Client, leases: list[LeaseMatch]) -> None:
-        """End leases whose Release answer changes nothing here, without waiting for it: those
-        of the pool radixkv serves now (the others ended with their pool, and their ids mean
-        nothing to the new one). A failure is only counted: the TTL ends such a lease."""
-        ids = [m.lease_id for m in leases if m.epoch == client.epoch]
-        if ids:
-            self.releaser.release(client, ids)
-
-    @staticmethod
-    def _release_waited(client: Client, leases: list[LeaseMatch]) -> None:
-        """`_release`, waiting for the answer (one that already ended is fine)."""
-        ids = [m.lease_id for m in leases if m.epoch == client.epoch]
-        if ids:
-            try:
-                client.release(*ids)
-            except (LeaseExpired, NotFound, PermissionDenied):
-                pass
-
-    def _insert(self, client: Client, path: list[bytes], m: LeaseMatch, blocks: Sequence[int],
-                pages: int) -> None:
-        """Queue the Insert (ending `m`) of `pages` pages copied into their blocks; the set has
-        answered True already. A failure (the lease expired, radixkv restarted or refused) is
-        counted and logged once per kind: those pages are then simply not cached, as if evicted
-        right after an Insert, and nothing was made matchable."""
-
-        def send() -> None:
-            client.insert_keys(self.namespace, path, blocks, m.lease_id, epoch=m.epoch,
-                               release=True)
-            self.stats["set_stored_pages"] += pages
-
-        def failed(e: BaseException) -> None:
-            self.stats["set_insert_failed_pages"] += pages
-            kind = type(e).__name__
-            if kind not in self._insert_errors_logged:
-                self._insert_errors_logged.add(kind)
-                log.warning("radixkv: an unwaited Insert of backed-up pages failed (%s: %s); "
-                            "those pages are not cached (logged once per kind of failure)",
-                            kind, e)
-
-        self.releaser.insert(send, failed)
-
-    def _release_failed(self, e: BaseException, leases: int) -> None:
-        self.stats["release_failures"] += leases
-        log.info("radixkv: an unwaited release failed (%s: %s); its lease ends by its TTL",
-                 type(e).__name__, e)
-
     def _record(self, what: str, pages: int, seconds: float) -> None:
         if pages and self.pages is not None:
             page_bytes = self.mem_pool_host.get_size_per_token() * self.pages.page_size
@@ -493,27 +329,11 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             self._metrics[f"{what}_bandwidth"].append(pages * page_bytes / seconds / 1e9)
 
     def _page_starts(self, host_indices: torch.Tensor, pages: int) -> torch.Tensor:
-        """The first slot of each of the leading `pages` pages of `host_indices` (page_size
-        slots each), up to the first page not whole, aligned and inside SGLang's host pool
-        (that one and those after it are left out, logged once and counted)."""
-        page = self.mem_pool_host.page_size
-        direct = self.pages is not None and self.pages.layout == "page_first_direct"
-        tokens = self.mem_pool_host.kv_buffer.shape[1] * (page if direct else 1)
-        whole = min(pages, len(host_indices) // page)
-        slots = host_indices[:whole * page].to(torch.long).cpu().view(whole, page)
-        starts = slots[:, 0]
-        bad = ((starts < 0) | (starts % page != 0) | (starts > tokens - page)
-               | (slots != starts[:, None] + torch.arange(page)).any(1)).nonzero()
-        good = int(bad[0]) if len(bad) else whole
-        if good < pages:
-            self.stats["bad_slot_pages"] += pages - good
-            if not self._warned_slots:
-                self._warned_slots = True
-                log.error("radixkv: SGLang gave host slots that are not whole pages of its "
-                          "%d-slot host pool (page %d of %d: %s); that page and those after it "
-                          "are not copied (logged once)", tokens, good, pages,
-                          host_indices[good * page:(good + 1) * page].tolist())
-        return starts[:good]
+        """slots.HostSlots.page_starts; the pages left out are counted."""
+        assert self.slots is not None
+        starts = self.slots.page_starts(host_indices, pages)
+        self.stats["bad_slot_pages"] += pages - len(starts)
+        return starts
 
     def _call(self, fn: Callable[[Client], T], failed: T) -> T:
         """`fn` through the link; `failed` when radixkv is unusable or the call fails."""
@@ -526,19 +346,3 @@ class RadixKVStore(HiCacheStorage):  # type: ignore[misc]
             log.error("radixkv: %s: %s", type(e).__name__, e)
             return failed
 
-
-def _owner_alive(mapping: Any) -> bool:
-    """Whether `mapping` is of a host pool whose owner (the serving process) is alive; False
-    for any other pool (CUDA: copies are asynchronous and the memory is the owner's)."""
-    if getattr(mapping, "backend", None) != "host":
-        return False
-    pid = getattr(mapping.handle, "owner_pid", 0)
-    return bool(pid) and pid_alive(pid)
-
-
-def _is_hex(key: Any) -> bool:
-    try:
-        bytes.fromhex(key)
-        return True
-    except (ValueError, TypeError):
-        return False

@@ -12,12 +12,7 @@ radixkv down, restarting or refusing is a miss (`link.Down`), never an error.
 
 from __future__ import annotations
 
-import errno
-import json
-import logging
 import os
-import stat
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,35 +21,11 @@ from typing import Any
 from gpu_pool.layout import KVLayout
 from radixkv.client import STORE_ALL, Client
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
+from radixkv.integrations.vllm.messages import Load, Save
+from radixkv.integrations.vllm.stats import Stats
 from radixkv.types import LeaseMatch
 
 DTYPES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """Copy pool `blocks` into vLLM `pages` (same order), then end lease `lease_id`."""
-
-    req_id: str
-    lease_id: int
-    epoch: str
-    blocks: tuple[int, ...]
-    pages: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Save:
-    """Copy vLLM `pages` into the pool's `new_blocks`, then Insert `tokens` with `blocks`
-    (the cached ones, then the new ones) and end lease `lease_id`."""
-
-    req_id: str
-    lease_id: int
-    epoch: str
-    namespace: str
-    tokens: tuple[int, ...]
-    blocks: tuple[int, ...]
-    new_blocks: tuple[int, ...]
-    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,60 +83,6 @@ def request_namespace(base: str, request: Any) -> str:
     if lora is not None:
         ns += f"|lora={lora.lora_name}"
     return ns
-
-
-def open_own(path: str) -> int:
-    """An fd appending to `path`, a regular file of this user's own (created 0600), never
-    opened through a symbolic link (OSError otherwise)."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(e.errno, "it is a symbolic link (not followed)") from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        raise OSError(errno.EPERM, f"not a regular file of uid {os.geteuid()}'s own")
-    return fd
-
-
-class Stats:
-    """Optional JSON lines of the connector's own costs (`stats_file` in the extra config); a
-    file that cannot be written is one warning, then no more lines (never an error)."""
-
-    def __init__(self, path: str | None, logger: logging.Logger | None = None) -> None:
-        self.path = path
-        self.log = logger or logging.getLogger("radixkv.integrations")
-        self._fd: int | None = None
-        self._lock = threading.Lock()
-
-    def record(self, **fields: Any) -> None:
-        if not self.path:
-            return
-        line = (json.dumps(fields) + "\n").encode()
-        with self._lock:
-            if not self.path:
-                return
-            try:
-                if self._fd is None:
-                    self._fd = open_own(self.path)
-                os.write(self._fd, line)
-            except OSError as e:
-                self.log.warning("radixkv: cannot write the connector's stats_file %s (%s); "
-                                 "no more stats are written", self.path, e.strerror or e)
-                self.path = None
-                self._close()
-
-    def _close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
 
 
 class SchedulerSide:

@@ -7,7 +7,7 @@
 
 Many vLLM processes share prefixes through one radixkv (one radix tree, one pool): a request
 loads the longest cached prefix of whole blocks another instance stored, and at its end stores
-its prompt and answer (`vllm_scheduler`, `vllm_worker`; pages <-> radixkv blocks: `layout`).
+its prompt and answer (`scheduler`, `worker`; pages <-> radixkv blocks: `integrations.layout`).
 radixkv's block size must equal vLLM's (`--block-size`, 128 on CPU by default), its layout the
 model's; at start the connector checks and refuses with the `radixkv serve` flags that fit.
 
@@ -16,7 +16,7 @@ Extra config: `socket` (default $RADIXKV_SOCKET, else the per-user socket), `nam
 `lease_ttl` (seconds, 0: the server's), `timeout` (per call, default 5 s), `retry_s` (how soon
 an unreachable radixkv is tried again, default 1 s), `stats_file` (JSON lines of the
 connector's own costs), `layerwise` (default true: CPU loads are copied layer by layer beside
-the forward, `vllm_loader`), `load_cpus` (the loader thread's CPUs: "auto", the ones the
+the forward, `loader`), `load_cpus` (the loader thread's CPUs: "auto", the ones the
 engine's thread is not bound to; "engine"; or a list such as "1,3-4"). radixkv absent at start,
 killed or restarted: a logged warning and cache misses, never a failed request;
 "kv_load_failure_policy": "recompute" makes vLLM recompute blocks whose load failed (the
@@ -35,17 +35,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from radixkv.integrations.link import Link
-from radixkv.integrations.vllm_scheduler import (
-    Load,
-    Save,
+from radixkv.integrations.vllm.messages import Load, Save
+from radixkv.integrations.vllm.scheduler import (
     SchedulerSide,
-    Stats,
     base_namespace,
     check_layout,
     engine_layout,
     serve_flags,
 )
-from radixkv.integrations.vllm_worker import WorkerSide
+from radixkv.integrations.vllm.stats import Stats
+from radixkv.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch

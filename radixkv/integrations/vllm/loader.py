@@ -37,7 +37,7 @@ from radixkv.client import Client
 from radixkv.errors import LeaseExpired, NotFound
 from radixkv.integrations.layout import Pages
 from radixkv.integrations.link import Down, Link
-from radixkv.integrations.vllm_scheduler import Load
+from radixkv.integrations.vllm.messages import Load
 
 
 def release_after_copy(client: Client, lease_id: int) -> bool:

@@ -1,7 +1,7 @@
 """The worker side of the vLLM connector: copies between vLLM's paged KV and radixkv's pool.
 
 Loads start before the step's forward (`start_loads`, from `start_load_kv`): on CPU pages they
-are copied layer by layer on a thread of their own (`vllm_loader`), each layer's attention
+are copied layer by layer on a thread of their own (`loader`), each layer's attention
 waiting for its own layer only (`wait_layer`); on GPU pages (or with `layerwise` off) they are
 copied whole before the forward (`load`). Either way each lease is Released after its copy: a
 lease that ended before (expired, or radixkv gone) means the blocks may have been reused, so the
@@ -29,8 +29,9 @@ from radixkv.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
 from radixkv.integrations import pages_kernel
 from radixkv.integrations.layout import FlashPages, LayoutError, Pages, ProbedPages, check_layers
 from radixkv.integrations.link import Down, Link
-from radixkv.integrations.vllm_loader import LayerLoader, release_after_copy
-from radixkv.integrations.vllm_scheduler import Load, Save, Stats
+from radixkv.integrations.vllm.loader import LayerLoader, release_after_copy
+from radixkv.integrations.vllm.messages import Load, Save
+from radixkv.integrations.vllm.stats import Stats
 
 _LAYER = re.compile(r"\.(\d+)\.")
 # A store renews its lease for this long before it writes into the lease's blocks: were the lease

@@ -2,7 +2,7 @@
 asked many times (tests and bench/vllm_ttft.py run it with the vLLM venv's python; `Driver` is
 the parent's side and imports no vLLM).
 
-    python -m radixkv.integrations.vllm_driver --model DIR [--connector JSON] [--no-prefix-cache]
+    python -m radixkv.integrations.vllm.driver --model DIR [--connector JSON] [--no-prefix-cache]
 
 Each stdin line is a JSON command, answered by one JSON line on stdout (after a first
 {"ready": ...} line once the engine is up):
@@ -36,10 +36,10 @@ class Driver:
                  cpu: str = "0", extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  start_timeout: float = 240.0) -> None:
         self.log = log
-        args = [python, "-m", "radixkv.integrations.vllm_driver", "--model", model, *extra]
+        args = [python, "-m", "radixkv.integrations.vllm.driver", "--model", model, *extra]
         if connector is not None:
             args += ["--connector", json.dumps(connector)]
-        repo = str(Path(__file__).resolve().parents[2])
+        repo = str(Path(__file__).resolve().parents[3])
         full_env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu, PYTHONPATH=repo,
                         **(env or {}))
         self._stderr: TextIO = open(log, "w")  # noqa: SIM115 - closed in close()
