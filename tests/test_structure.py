@@ -299,7 +299,6 @@ LONG_MODULES: dict[str, int] = {
     "radixkv/cli/main.py": 407,
     "radixkv/disk/tier.py": 743,
     "radixkv/index/tree.py": 431,
-    "radixkv/integrations/sglang.py": 544,
     "radixkv/replay/report.py": 401,
     "radixkv/service.py": 524,
 }
@@ -327,8 +326,8 @@ WIDE_FUNCTIONS: dict[str, int] = {
     "radixkv/engines/attention.py:attention_forward": 10,
     "radixkv/engines/evaluate.py:evaluate": 8,
     "radixkv/engines/window_cache.py:build_cache": 8,
-    "radixkv/integrations/vllm_driver.py:Driver.__init__": 8,
-    "radixkv/integrations/vllm_worker.py:WorkerSide.__init__": 8,
+    "radixkv/integrations/vllm/driver.py:Driver.__init__": 8,
+    "radixkv/integrations/vllm/worker.py:WorkerSide.__init__": 8,
     "radixkv/lease.py:Calls.insert": 8,
     "radixkv/replay/client.py:request": 9,
     "radixkv/replay/jobs.py:feed": 8,

@@ -1,5 +1,5 @@
 """What a `radixkv replay` client process does per request: drive the service as an engine would
-(radixkv.replay.worker runs the process's loop over the job queue).
+(radixkv.replay.sender runs the process's loop over the job queue).
 
 Per request (a job from the shared queue, in trace order):
 

@@ -74,7 +74,7 @@ from radixkv.replay.report import (
     build_report,
     render_report,
 )
-from radixkv.replay.worker import client_main
+from radixkv.replay.sender import client_main
 from radixkv.replay.workload import Request, iter_trace
 from radixkv.server.launch import server_process
 
