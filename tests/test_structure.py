@@ -5,7 +5,9 @@ bench/."""
 
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +64,11 @@ def test_gpu_pool_imports_nothing_of_radixkv() -> None:
 @pytest.mark.parametrize("folder", ["radixkv/index", "radixkv/server", "radixkv/cluster"])
 def test_service_side_never_imports_the_tools(folder: str) -> None:
     assert offenders(folder, ("radixkv.replay", "radixkv.cli", "bench")) == {}
+
+
+def test_the_replay_tool_never_imports_the_cli() -> None:
+    """The `radixkv replay` command lives in radixkv/cli/commands/replay.py, above the tool."""
+    assert offenders("radixkv/replay", ("radixkv.cli",)) == {}
 
 
 def test_service_core_never_imports_the_tools() -> None:
@@ -231,3 +238,27 @@ def test_the_service_and_servicer_never_ask_which_kind(name: str) -> None:
 def test_the_servicer_reaches_no_pool() -> None:
     """The servicer asks the service (epoch, pool handle, stats), never its pool."""
     assert "pool" not in names_in(REPO / "radixkv/server/servicer.py")
+
+
+# ---- the CLI: one command, one file ------------------------------------------------------------
+
+def test_each_command_is_one_module_that_main_discovers() -> None:
+    """Every module in radixkv/cli/commands/ is one command of its name, listed in COMMANDS
+    (the `--help` order), whose `register` adds its parser and binds its `run`."""
+    from radixkv.cli import commands
+    from radixkv.cli.main import build_parser
+
+    files = sorted(p.stem for p in (REPO / "radixkv/cli/commands").glob("*.py")
+                   if p.stem != "__init__")
+    assert sorted(commands.COMMANDS) == files
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(commands.COMMANDS)
+    for name, parser in sub.choices.items():
+        module = importlib.import_module(f"radixkv.cli.commands.{name}")
+        assert parser.get_default("func") is module.run, name
+
+
+def test_main_names_no_command() -> None:
+    """A new command never needs an edit of radixkv/cli/main.py."""
+    imported = imports_of(REPO / "radixkv" / "cli" / "main.py")
+    assert sorted(n for n in imported if n.startswith("radixkv.cli.commands.")) == []
