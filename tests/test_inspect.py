@@ -178,7 +178,9 @@ def test_no_server_is_a_clear_error(tmp_path):
 def test_inspector_escapes_what_it_prints():
     from rich.console import Console
 
-    from radixkv.cli.inspector import event_line, markup_safe, render_summary
+    from radixkv.cli.commands.events import event_line
+    from radixkv.cli.render import markup_safe
+    from radixkv.cli.summary import render_summary
 
     assert event_line({"type": "AllBlocksCleared", "sequence": 1, "timestamp": 0,
                        "namespace": "a\x1b[2Jb"}).endswith("a\\x1b[2Jb AllBlocksCleared")

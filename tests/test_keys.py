@@ -9,7 +9,7 @@ import itertools
 import pytest
 from _server import BLOCK_SIZE, running_server
 
-from radixkv.cli.inspector import tree_view
+from radixkv.cli.commands.inspect import tree_view
 from radixkv.client import Client
 from radixkv.errors import FailedPrecondition, InvalidArgument
 from radixkv.v1 import radixkv_pb2 as pb

@@ -32,10 +32,10 @@ from gpu_pool.sizing import (
     fit_blocks,
     fit_window_blocks,
 )
+from radixkv.cli.commands.replay import memory_capacity
 from radixkv.cli.main import main as cli_main
 from radixkv.client import Client, pool_info_from_pb
 from radixkv.errors import IntegrityError, InvalidArgument, OutOfBlocks
-from radixkv.replay.cli import memory_capacity
 from radixkv.server.servicer import Servicer
 from radixkv.service import KVService
 from radixkv.v1 import radixkv_pb2 as pb

@@ -5,6 +5,7 @@ eviction policy and the sink share (`serve`, `replay`), and the argparse types t
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +40,24 @@ def add_connection_flags(p: argparse.ArgumentParser, socket_help: str,
     where.add_argument("--socket", metavar="PATH", default=default, help=socket_help)
     where.add_argument("--target", metavar="TARGET", default=default,
                        help="a gRPC target instead, e.g. unix:///path or 127.0.0.1:50051")
+
+
+def connection_parent(suppress: bool) -> argparse.ArgumentParser:
+    """A parent parser of --socket / --target and --json. `suppress`: for sub-views, which
+    repeat these flags with SUPPRESS defaults so that `inspect --json tree X` and
+    `inspect tree X --json` both work (a subparser's defaults would overwrite)."""
+    d = argparse.SUPPRESS if suppress else None
+    c = argparse.ArgumentParser(add_help=False)
+    add_connection_flags(c, "the service's Unix socket (default: as the client resolves it)", d)
+    c.add_argument("--json", action="store_true", default=d or False,
+                   help="machine-readable output")
+    return c
+
+
+def service_target(args: argparse.Namespace) -> str | None:
+    """The service the read-only views connect to: --target, else --socket as an absolute
+    path, else None (the client resolves it)."""
+    return args.target or (os.path.abspath(args.socket) if args.socket else None)
 
 
 def add_policy_flag(g: Any, of: str = "") -> None:

@@ -63,8 +63,8 @@ from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
 from radixkv.integrations.sglang.ends import LeaseEnds
 from radixkv.integrations.sglang.flat import FlatPages
-from radixkv.integrations.sglang.keys import KeyPaths, namespace_name
 from radixkv.integrations.sglang.host_slots import HostSlots
+from radixkv.integrations.sglang.keys import KeyPaths, namespace_name
 from radixkv.limits import MIN_LEASE_TTL_S
 from radixkv.types import LeaseMatch
 

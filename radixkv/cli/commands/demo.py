@@ -3,22 +3,42 @@ the per-user Unix socket), shows what it does, and stops it.
 
 Stages: what KV costs (calculator) -> the radix tree on a synthetic chat workload -> the
 service answering engines over gRPC, with bytes shared through the pool -> a load replay ->
-two engine processes reusing KV -> the inspector's summary.
+two engine processes reusing KV -> the cache summary (`radixkv inspect`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import tempfile
 from collections.abc import Iterator
-from typing import Any
-
-from rich.console import Console
+from typing import TYPE_CHECKING, Any
 
 from radixkv.client import Client
 from radixkv.env import default_socket_path
 from radixkv.errors import AlreadyExists
 from radixkv.server.launch import server_process, start_server
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def register(sub: Any) -> None:
+    """Add `radixkv demo`."""
+    p = sub.add_parser("demo", help="start the service on its defaults and show it working",
+                       description="The main job in one command: the memory calculator, the "
+                       "radix tree on a synthetic chat workload, then the service (host pool, "
+                       "Unix socket) answering engines, and what the cache did.")
+    p.add_argument("--requests", type=int, default=2000, help="synthetic requests (2000)")
+    p.add_argument("--json", action="store_true", help="print results as JSON on stdout")
+    p.add_argument("--no-engines", action="store_true",
+                   help="skip the two-engine stage (needs the `hf` extra: transformers)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo's stages; 1 if a replayed block or an engine's output came back wrong."""
+    return run_demo(requests=args.requests, json_out=args.json, engines=not args.no_engines)
 
 
 @contextlib.contextmanager
@@ -106,7 +126,7 @@ def stage_replay(console: Console, sock: str, num_requests: int) -> dict[str, An
 
 
 def stage_inspect(console: Console, sock: str) -> dict[str, Any]:
-    from radixkv.cli.inspector import render_summary, summary
+    from radixkv.cli.summary import render_summary, summary
 
     console.rule(f"[bold]5. What the cache holds now (radixkv inspect --socket {sock})")
     with Client(sock) as kv:
@@ -171,6 +191,10 @@ def _stage_tiny_engines(console: Console) -> dict[str, Any]:
 
 
 def run_demo(requests: int = 2000, json_out: bool = False, engines: bool = True) -> int:
+    """Every stage in turn (the engines' last, unless `engines` is False); `json_out`: the
+    results as JSON on stdout, the show on stderr."""
+    from rich.console import Console
+
     console = Console(stderr=json_out)
     results: dict[str, Any] = {}
     stage_calc(console)

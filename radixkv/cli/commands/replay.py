@@ -1,5 +1,5 @@
-"""`radixkv replay` from the command line: its flags, what a --memory budget holds, and the run
-(radixkv.replay.runner) from parsed flags."""
+"""`radixkv replay`: a trace against a real service, verified, beside the optimum. Its flags,
+what a --memory budget holds, and the run (radixkv.replay.runner) from parsed flags."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from radixkv.cli.flags import QUANTIZED_KV_DTYPES, add_policy_flag, add_sink_fraction_flag
 from radixkv.errors import InvalidArgument
@@ -17,8 +18,13 @@ from radixkv.replay.runner import DEFAULT_PREFILL_TOKENS_PER_S, MOONCAKE_BLOCK_S
 from radixkv.replay.workload import Request, generate_synthetic
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The `radixkv replay` flags."""
+def register(sub: Any) -> None:
+    """Add `radixkv replay` and its flags."""
+    p = sub.add_parser("replay", help="replay a request trace against the service",
+                       description="Replay a trace (Mooncake, token JSONL or synthetic) against a "
+                       "running service from several client processes, verify every hit's bytes, "
+                       "and report hit rate, latency and prefill saved beside the offline optimum "
+                       "(Belady) and the infinite-capacity ceiling.")
     p.add_argument("--trace", default="synthetic",
                    help="a Mooncake or token JSONL file, or 'synthetic' (default)")
     p.add_argument("--requests", type=int, default=2000, help="synthetic requests (2000)")
@@ -95,6 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=40, help="hit-rate-over-time windows (40)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +170,8 @@ def disk_tier(args: argparse.Namespace) -> tuple[str, int] | None:
     return (args.disk_dir or "", args.disk_capacity_blocks)
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run `radixkv replay` from parsed flags."""
+def run(args: argparse.Namespace) -> int:
+    """Run `radixkv replay` from parsed flags; 1 if a hit's bytes came back wrong."""
     if args.trace == "synthetic":
         n = args.requests if args.limit is None else min(args.requests, args.limit)
         requests: list[Request] | str = generate_synthetic(n, args.seed)

@@ -21,7 +21,13 @@ from radixkv.engines.models import MODELS, REAL_MODEL
 CHAT_MODELS = [name for name, spec in MODELS.items() if spec.tiny is None]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def register(sub: Any) -> None:
+    """Add `radixkv chat`."""
+    p = sub.add_parser("chat", help="chat with the real model, reusing KV through the service",
+                       description="A tiny serving front end: one engine (SmolLM2-135M, CPU) "
+                       "over a running service (`radixkv serve --preset smollm2-135m`). Each "
+                       "turn re-sends the whole chat; prints the answer and 'reused N of M "
+                       "prompt tokens, TTFT x ms (no cache: y ms)'.")
     add_connection_flags(p, "the service's Unix socket (default: $RADIXKV_SOCKET, else the "
                          "per-user socket)")
     p.add_argument("--model", default=REAL_MODEL, choices=CHAT_MODELS,
@@ -49,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with every turn at the end (and nothing else "
                    "on stdout)")
+    p.set_defaults(func=run)
 
 
 def _turns(args: argparse.Namespace) -> Iterator[str]:
@@ -88,7 +95,8 @@ def _check_layout(target: str | None, model: str) -> None:
                               f"needs {want}: start one with `radixkv serve --preset {preset}`")
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Chat over the service; 1 if a verified answer differed from the no-cache one."""
     from radixkv.engines import models
     from radixkv.engines.chat import Conversation, answer_turn
     from radixkv.engines.hf import Engine
