@@ -31,7 +31,7 @@ from radixkv.cli.flags import connection_parent, service_target
 from radixkv.cli.render import PREVIEW, age, ids, markup_safe, show, token_ids
 from radixkv.cli.summary import render_summary, summary
 from radixkv.client import Client
-from radixkv.index.window_tree import HOLE
+from radixkv.limits import HOLE
 from radixkv.tokens import num_tokens
 from radixkv.types import NodeView
 
