@@ -25,7 +25,7 @@ import traceback
 from typing import Any
 
 from radixkv.client import Client
-from radixkv.errors import (
+from radixkv.protocol.errors import (
     LeaseExpired,
     NotFound,
     OutOfBlocks,
@@ -33,8 +33,8 @@ from radixkv.errors import (
     StalePool,
     Unavailable,
 )
+from radixkv.protocol.tokens import to_token_bytes
 from radixkv.replay.client import BlockBytes, block_keys
-from radixkv.tokens import to_token_bytes
 
 NAMESPACES = ("chaos-a", "chaos-b", "chaos-c")
 
@@ -213,7 +213,7 @@ def client_main(args: dict[str, Any], slot: int, counters: Any, stop: Any) -> No
     under chaos are counted and survived, anything else ends the client (counted as fatal)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor handles Ctrl-C
-    logging.getLogger("radixkv.client").setLevel(logging.ERROR)  # restarts: counted instead
+    logging.getLogger("radixkv.client.client").setLevel(logging.ERROR)  # restarts: counted instead
     rng = random.Random(args["seed"] * 1_000_003 + slot)
     convs = conversations(args["seed"], args["block_size"])
     w = Worker(args, counters)

@@ -28,7 +28,7 @@ from _chaos_client import (
 )
 
 from radixkv.cluster.routed import RouterClient
-from radixkv.errors import (
+from radixkv.protocol.errors import (
     RadixKVError,
     StalePool,
     Unavailable,

@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _chaos_client import COUNTERS, C, client_main  # noqa: E402
 from _common import emit  # noqa: E402
 
-from radixkv.client import Client  # noqa: E402
-from radixkv.errors import RadixKVError, Unavailable  # noqa: E402
+from radixkv.client.client import Client  # noqa: E402
+from radixkv.protocol.errors import RadixKVError, Unavailable  # noqa: E402
 from radixkv.server.launch import ServerProcess, start_server  # noqa: E402
 
 # 2 layers x 2 kv heads x head_dim 8, fp32: 1 KiB per 4-token block

@@ -35,7 +35,7 @@ from radixkv.client import Client
 from radixkv.cluster.follower import snapshot_hashes
 from radixkv.cluster.local import EtcdProcess, RouterProcess, free_port, start_router
 from radixkv.cluster.routed import RouterClient
-from radixkv.errors import RadixKVError, Unavailable
+from radixkv.protocol.errors import RadixKVError, Unavailable
 from radixkv.server.launch import ServerProcess, start_server
 
 TOKEN = "chaos-cluster-token-0123456789"

@@ -26,8 +26,8 @@ import time
 
 from gpu_pool import create_pool
 from gpu_pool.layout import KVLayout
+from radixkv.protocol.tokens import to_token_bytes
 from radixkv.service import KVService, ServiceConfig
-from radixkv.tokens import to_token_bytes
 
 BS = 4
 

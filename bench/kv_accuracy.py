@@ -117,7 +117,7 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args()
-    from radixkv.errors import RadixKVError
+    from radixkv.protocol.errors import RadixKVError
 
     try:
         report = run(args)

@@ -58,7 +58,7 @@ def pin_from_env() -> None:
     """Floor servers run on the CPUs the radixkv servers get (--server-cpus), if any."""
     cpus = os.environ.get(CPUS_ENV)
     if cpus:
-        from radixkv.server.app import pin_cpus
+        from radixkv.rpc.process import pin_cpus
 
         pin_cpus(cpus)
 
@@ -409,7 +409,7 @@ def main() -> int:
             "65536", "--lease-ttl", "600", "--max-leases-per-client", "100000000",
             "--policy", args.policy, "--log-level", "warning", *pinned], "radixkv serving")
             for i in range(args.replicas)]
-        from radixkv.tokens import to_token_bytes
+        from radixkv.protocol.tokens import to_token_bytes
         from radixkv.v1 import radixkv_pb2 as pb
 
         prompts = [prompt(args.seed * 1000 + i, args.prompt_tokens) for i in range(64)]

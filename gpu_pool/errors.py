@@ -1,5 +1,5 @@
 """The pool's exceptions. `code` names the gRPC status a server answers with (by name: this layer
-imports no grpc); `radixkv.errors` builds its status table on `PoolError` and adds its own.
+imports no grpc); `radixkv.protocol.errors` builds its status table on `PoolError` and adds its own.
 `as_index` checks the integer arguments every pool module takes (block ids, counts)."""
 
 from __future__ import annotations

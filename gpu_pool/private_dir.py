@@ -2,7 +2,7 @@
 and the model cache (radixkv/engines/models.py) load code and weights from them, so another
 local user who could write there could run code in an engine's process.
 
-The rule is the Unix socket's (radixkv/env.py `check_socket_dir`): a real directory or file
+The rule is the Unix socket's (radixkv/protocol/env.py `check_socket_dir`): a real directory or file
 (not a symlink), owned by this user, not writable by group or others. Directories are created
 0700; lock files are opened with O_NOFOLLOW (never through a symlink another user planted) and
 never truncated.

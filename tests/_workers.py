@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from radixkv.client import Client
-from radixkv.errors import RadixKVError
+from radixkv.protocol.errors import RadixKVError
 
 BLOCK_SIZE = 4
 

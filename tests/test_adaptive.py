@@ -11,11 +11,11 @@ import random
 import pytest
 from _kv import make_service, toks
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.adaptive import DEAD, ONCE, TWICE, AdaptivePolicy
 from radixkv.index.hints import parse_hint
 from radixkv.index.policies import make_policy, policy_factory
 from radixkv.index.tree import RadixTree
+from radixkv.protocol.errors import InvalidArgument
 from radixkv.replay.hints import session_hints
 
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 from _server import TOKEN, running_server, tiny_config_path
 
-from radixkv import errors
 from radixkv.client import Client
+from radixkv.protocol import errors
 
 
 def test_token_is_required_on_radixkv_calls_but_not_on_health(token_file):

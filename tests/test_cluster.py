@@ -16,12 +16,12 @@ import pytest
 from _server import BLOCK_SIZE, tiny_flags, wait_for
 
 from radixkv.client import Client
-from radixkv.cluster.etcd import Etcd, EtcdTarget
 from radixkv.cluster.follower import snapshot_hashes
 from radixkv.cluster.local import local_cluster
-from radixkv.cluster.membership import member_key
 from radixkv.cluster.routed import RoutedClient, RouterClient
-from radixkv.errors import InvalidArgument, Unavailable
+from radixkv.protocol.errors import InvalidArgument, Unavailable
+from radixkv.rpc.etcd import Etcd, EtcdTarget
+from radixkv.rpc.membership import member_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("etcd") is None,
                                 reason="etcd is not installed (apt-get install etcd-server; "

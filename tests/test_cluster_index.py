@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.cluster.etcd import EtcdTarget, prefix_end
 from radixkv.cluster.follower import snapshot_hashes
 from radixkv.cluster.index import ClusterIndex
-from radixkv.cluster.membership import MemberInfo, check_node_id
-from radixkv.errors import InvalidArgument
-from radixkv.events import EventLog, chain_hashes
 from radixkv.index.tree import RadixTree
 from radixkv.index.window_tree import WindowedRadixTree
-from radixkv.tokens import to_token_bytes
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.tokens import to_token_bytes
+from radixkv.rpc.etcd import EtcdTarget, prefix_end
+from radixkv.rpc.membership import MemberInfo, check_node_id
+from radixkv.service.events import EventLog, chain_hashes
 
 BS = 4
 

@@ -14,11 +14,11 @@ from _server import BLOCK_SIZE, store_many, tiny_flags
 from test_cluster import members, prompt, routes, wait_for
 
 from radixkv.client import Client
-from radixkv.cluster.etcd import Etcd, EtcdTarget
 from radixkv.cluster.local import local_cluster
-from radixkv.cluster.membership import make_info, member_key
 from radixkv.cluster.routed import RouterClient
-from radixkv.errors import RadixKVError
+from radixkv.protocol.errors import RadixKVError
+from radixkv.rpc.etcd import Etcd, EtcdTarget
+from radixkv.rpc.membership import make_info, member_key
 from radixkv.v1 import radixkv_pb2_grpc
 
 pytestmark = [pytest.mark.slow,

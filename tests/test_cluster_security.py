@@ -20,11 +20,11 @@ import grpc
 import pytest
 from _server import BLOCK_SIZE, tiny_flags, wait_for
 
-from radixkv import errors
 from radixkv.client import Client
-from radixkv.cluster.etcd import Etcd, EtcdTarget
 from radixkv.cluster.local import etcd_process, local_cluster, start_router
 from radixkv.cluster.routed import RouterClient
+from radixkv.protocol import errors
+from radixkv.rpc.etcd import Etcd, EtcdTarget
 from radixkv.server.launch import start_server, wait_for_banner
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("etcd") is None,

@@ -30,7 +30,7 @@ from radixkv.disk import tier as tier_module
 from radixkv.disk.claim import LOCK_NAME
 from radixkv.disk.slots import FILE_NAME
 from radixkv.disk.tier import DiskTier
-from radixkv.errors import Unavailable
+from radixkv.protocol.errors import Unavailable
 from radixkv.server.launch import start_server
 from radixkv.server.metrics import ServiceCollector
 from radixkv.service import KVService, ServiceConfig

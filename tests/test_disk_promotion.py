@@ -22,7 +22,7 @@ from gpu_pool import create_pool
 from gpu_pool.layout import KVLayout
 from radixkv.client import Client
 from radixkv.disk.tier import DiskTier
-from radixkv.errors import FailedPrecondition, IntegrityError
+from radixkv.protocol.errors import FailedPrecondition, IntegrityError
 from radixkv.server.launch import start_server
 from radixkv.service import KVService, ServiceConfig
 

@@ -10,11 +10,11 @@ import random
 import pytest
 from _server import BLOCK_SIZE, running_server, store_many
 
-from radixkv import errors
 from radixkv.client import Client
 from radixkv.cluster.follower import snapshot_hashes
-from radixkv.events import chain_hashes
-from radixkv.service import DUMP_SLICE
+from radixkv.protocol import errors
+from radixkv.service.events import chain_hashes
+from radixkv.service.service import DUMP_SLICE
 
 NS = "chat@rev1"
 B = BLOCK_SIZE

@@ -23,11 +23,11 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 import torch  # noqa: E402
 from _server import RunningServer, running_server  # noqa: E402
 
-from radixkv.client import Client  # noqa: E402
+from radixkv.client.client import Client  # noqa: E402
 from radixkv.engines import tiny_llama  # noqa: E402
 from radixkv.engines.demo import demo_serve_flags, run_engine_demo  # noqa: E402
 from radixkv.engines.hf import Engine, PrefillResult, cache_layers  # noqa: E402
-from radixkv.errors import InvalidArgument  # noqa: E402
+from radixkv.protocol.errors import InvalidArgument  # noqa: E402
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

@@ -33,7 +33,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 import torch  # noqa: E402
 
 from gpu_pool.layout import KVLayout  # noqa: E402
-from radixkv.client import Client  # noqa: E402
+from radixkv.client.client import Client  # noqa: E402
 from radixkv.engines import attention, tiny_llama  # noqa: E402
 from radixkv.engines.hf import Engine, PrefillResult, pool_layout_for  # noqa: E402
 from radixkv.engines.window_cache import (  # noqa: E402
@@ -45,8 +45,8 @@ from radixkv.engines.window_cache import (  # noqa: E402
     stored_window_blocks,
     window_start,
 )
-from radixkv.errors import FailedPrecondition, InvalidArgument  # noqa: E402
-from radixkv.limits import HOLE  # noqa: E402
+from radixkv.protocol.errors import FailedPrecondition, InvalidArgument  # noqa: E402
+from radixkv.protocol.limits import HOLE  # noqa: E402
 from radixkv.server.launch import start_server  # noqa: E402
 
 ATOL = 1e-4

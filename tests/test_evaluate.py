@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from radixkv.engines import evaluate
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 
 @pytest.mark.parametrize("context, fraction, expected", [

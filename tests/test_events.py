@@ -12,8 +12,8 @@ import time
 import pytest
 from _server import REPO, running_server, tiny_config_path
 
-from radixkv import errors
 from radixkv.client import Client
+from radixkv.protocol import errors
 
 A1 = list(range(1, 9))  # 2 blocks
 A2 = A1 + [9, 10, 11, 12]  # 3 blocks, sharing A1

@@ -1,6 +1,6 @@
 """The server's split thread pools against the real grpcio: stream handlers must run on the
 stream pool and unary calls on the call pool. This fails loudly if grpcio renames the private
-function `radixkv.server.executor` depends on."""
+function `radixkv.rpc.executor` depends on."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from radixkv.server.executor import SplitExecutor, stream_behaviour
+from radixkv.rpc.executor import SplitExecutor, stream_behaviour
 
 
 def _thread_name(_request: bytes, _context: Any) -> bytes:
@@ -25,7 +25,7 @@ def _thread_names(_request: bytes, _context: Any) -> Iterator[bytes]:
 
 def test_grpcio_still_has_the_private_stream_function() -> None:
     assert stream_behaviour() is not None, (
-        "grpc._server._stream_response_in_pool is gone: update radixkv/server/executor.py")
+        "grpc._server._stream_response_in_pool is gone: update radixkv/rpc/executor.py")
 
 
 def test_streams_and_calls_run_on_their_own_pools() -> None:

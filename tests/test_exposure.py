@@ -14,8 +14,8 @@ import pytest
 from _server import TOKEN, running_server
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from radixkv import errors
 from radixkv.client import Client
+from radixkv.protocol import errors
 
 
 def reflection_stream(target: str, timeout: float, metadata=()) -> tuple[object, queue.Queue]:

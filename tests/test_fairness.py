@@ -17,8 +17,8 @@ from _server import TOKEN, running_server
 from hypothesis import given
 from hypothesis import strategies as st
 
-from radixkv import errors
 from radixkv.client import Client
+from radixkv.protocol import errors
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 

@@ -11,7 +11,7 @@ are released and the server must still serve and pass its integrity check.
 The two fuzz tests run against a plain pool and against a sliding-window pool (window parts
 beside the full blocks: Match, Allocate and Insert carry window ids there).
 
-Answers must be OK or a documented status: the codes of radixkv/errors.py's table, plus
+Answers must be OK or a documented status: the codes of radixkv/protocol/errors.py's table, plus
 RESOURCE_EXHAUSTED (gRPC's own, for an oversized message), plus DEADLINE_EXCEEDED for the Events
 stream, which the fuzzer reads with a short deadline. INTERNAL or UNKNOWN is a failure.
 """
@@ -45,10 +45,10 @@ from _server import BLOCK_SIZE, running_server
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
-from radixkv.errors import ALL_ERRORS
+from radixkv.protocol.errors import ALL_ERRORS
+from radixkv.protocol.wire import RETRY_KEY
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
-from radixkv.wire import RETRY_KEY
 
 VOCAB = 100_000
 DOCUMENTED = {cls.code for cls in ALL_ERRORS} | {"RESOURCE_EXHAUSTED"}

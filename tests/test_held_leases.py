@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixkv.integrations.held import HeldLeases
-from radixkv.types import LeaseMatch
+from radixkv.protocol.values import LeaseMatch
 
 HOLD_S = 2.0
 LIMIT = 4

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from radixkv.index import node
 from radixkv.index.pages import page
 from radixkv.index.tree import RadixTree
-from radixkv.tokens import to_token_bytes
+from radixkv.protocol.tokens import to_token_bytes
 
 BS = 2
 BB = 4 * BS  # bytes per block

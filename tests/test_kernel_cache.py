@@ -21,7 +21,7 @@ import torch
 
 from gpu_pool import quant_kernel
 from radixkv.engines import models
-from radixkv.errors import PermissionDenied
+from radixkv.protocol.errors import PermissionDenied
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from _server import BLOCK_SIZE, running_server
 
 from radixkv.cli.commands.inspect import tree_view
 from radixkv.client import Client
-from radixkv.errors import FailedPrecondition, InvalidArgument
+from radixkv.protocol.errors import FailedPrecondition, InvalidArgument
 from radixkv.v1 import radixkv_pb2 as pb
 
 

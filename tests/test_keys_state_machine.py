@@ -1,6 +1,6 @@
-"""Key-keyed namespaces (radixkv.keyed) as a hypothesis state machine against a dict reference:
-stores and matches of block-key sequences on a small in-process service, with evictions. The
-reference maps each cached key prefix to its block id; the service's events say which blocks
+"""Key-keyed namespaces (radixkv.service.keyed) as a hypothesis state machine against a dict
+reference: stores and matches of block-key sequences on a small in-process service, with evictions.
+The reference maps each cached key prefix to its block id; the service's events say which blocks
 went, so the reference follows evictions; every match must be the reference's leading run."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from radixkv.errors import FailedPrecondition, InvalidArgument
-from radixkv.wire import STORE_ALL
+from radixkv.protocol.errors import FailedPrecondition, InvalidArgument
+from radixkv.protocol.wire import STORE_ALL
 
 KEY = 32
 NS = "keys"

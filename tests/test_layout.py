@@ -8,7 +8,7 @@ import pytest
 
 from gpu_pool.calc import calculate
 from gpu_pool.layout import PRESETS, KVLayout, format_bytes, parse_bytes
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 
 def make_layout(**kw: object) -> KVLayout:

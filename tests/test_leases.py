@@ -10,8 +10,8 @@ import pytest
 from _kv import fill, toks
 from _server import running_server
 
-from radixkv import errors
 from radixkv.client import Client
+from radixkv.protocol import errors
 
 
 def test_release_frees_uninserted_blocks(svc):

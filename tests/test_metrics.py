@@ -12,8 +12,8 @@ import pytest
 from _server import REPO, running_server, tiny_config_path
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixkv import errors
 from radixkv.client import Client
+from radixkv.protocol import errors
 
 A1 = list(range(1, 9))
 A2 = A1 + [9, 10, 11, 12]

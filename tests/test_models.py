@@ -17,7 +17,7 @@ import pytest
 
 from gpu_pool.layout import KVLayout
 from radixkv.engines import models
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 
 def stand_in_converter(calls: list[Path]) -> Callable[[Path], None]:

@@ -13,7 +13,7 @@ import torch
 from gpu_pool import create_pool, gather, scatter
 from gpu_pool.copy import _split
 from gpu_pool.layout import KVLayout
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 PREFIX = f"rkvc{os.getpid()}"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from gpu_pool import BlockPool, attach, create_pool, gather, scatter  # noqa: E402
 from gpu_pool.cuda import SLAB_ALIGN, device_uuid, is_available  # noqa: E402
 from gpu_pool.layout import KVLayout  # noqa: E402
-from radixkv.errors import InvalidArgument, StalePool, Unavailable  # noqa: E402
+from radixkv.protocol.errors import InvalidArgument, StalePool, Unavailable  # noqa: E402
 
 if not is_available() or not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU visible to CuPy and torch", allow_module_level=True)

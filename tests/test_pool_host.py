@@ -40,7 +40,13 @@ from gpu_pool import (
 )
 from gpu_pool.host import SHM_DIR, HostBlockPool
 from gpu_pool.layout import KVLayout
-from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError, StalePool, Unavailable
+from radixkv.protocol.errors import (
+    InvalidArgument,
+    OutOfBlocks,
+    RadixKVError,
+    StalePool,
+    Unavailable,
+)
 
 PREFIX = f"rkvt{os.getpid()}"  # every segment these tests create starts with it
 SPAWN = multiprocessing.get_context("spawn")

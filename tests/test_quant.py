@@ -16,7 +16,7 @@ from gpu_pool import create_pool, quant
 from gpu_pool.calc import calculate
 from gpu_pool.layout import KVLayout
 from radixkv.client import Client, pool_info_from_pb
-from radixkv.errors import InvalidArgument, OutOfBlocks
+from radixkv.protocol.errors import InvalidArgument, OutOfBlocks
 
 L, H, D, B = 2, 2, 8, 8  # the test server's tiny model (tests/_server.py) at block size 8
 FORMATS = {
@@ -171,8 +171,8 @@ def test_memory_budget_counts_the_sink_region():
 
 
 def test_client_refuses_a_layout_it_does_not_understand():
+    from radixkv.protocol.wire import layout_pb
     from radixkv.v1 import radixkv_pb2 as pb
-    from radixkv.wire import layout_pb
 
     lay = layout("int4")
     msg = pb.PoolInfoResponse(layout=layout_pb(lay), backend="host", num_blocks=4, epoch="e",

@@ -9,7 +9,7 @@ import torch
 from test_quant import FORMATS, B, D, H, L, layout
 
 from gpu_pool import create_pool
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 # (value written at one (token, head, channel), the rest in [-1, 1]) per format: inside / beyond
 INSIDE = {"int8": [8.0e6, -8.0e6], "int4": [6.0e4, -6.0e4],

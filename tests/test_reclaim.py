@@ -1,13 +1,13 @@
-"""Making room across namespaces (radixkv/reclaim.py), in-process: leaf tails in the policy's
-order across every namespace, exact ids evicted, one event per run, and OutOfBlocks with the
-numbers when nothing can go."""
+"""Making room across namespaces (radixkv/service/allocator.py), in-process: leaf tails in the
+policy's order across every namespace, exact ids evicted, one event per run, and OutOfBlocks with
+the numbers when nothing can go."""
 
 from __future__ import annotations
 
 import pytest
 from _kv import fill, toks
 
-from radixkv import errors
+from radixkv.protocol import errors
 
 
 @pytest.mark.parametrize("svc", [{"policy": "lru"}], indirect=True)

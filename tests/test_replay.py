@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from _server import running_server
 
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 from radixkv.replay.cluster import ReplayWindow
 from radixkv.replay.hints import trace_hints
 from radixkv.replay.optimum import NEVER, belady, ceiling, next_uses

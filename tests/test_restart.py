@@ -10,8 +10,8 @@ import tempfile
 import pytest
 from _server import running_server, tiny_config_path
 
-from radixkv import errors
 from radixkv.client import Client
+from radixkv.protocol import errors
 from radixkv.server.launch import start_server
 
 

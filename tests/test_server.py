@@ -17,9 +17,9 @@ import pytest
 from _server import running_server
 from _workers import hold_lease_then_hang, random_traffic, read_prompt, write_prompt
 
-from radixkv import errors
 from radixkv.client import Client
-from radixkv.errors import RadixKVError
+from radixkv.protocol import errors
+from radixkv.protocol.errors import RadixKVError
 
 SPAWN = mp.get_context("spawn")
 

@@ -11,7 +11,7 @@ import time
 import pytest
 from _kv import fill, make_service, toks
 
-from radixkv import errors
+from radixkv.protocol import errors
 
 
 def test_request_path_exact_ids(svc):
@@ -122,7 +122,7 @@ def test_integrity_checks_hold_under_python_O():
     code = """
 from gpu_pool import create_pool
 from gpu_pool.layout import KVLayout
-from radixkv.errors import IntegrityError
+from radixkv.protocol.errors import IntegrityError
 from radixkv.service import KVService
 import numpy as np
 svc = KVService(create_pool(KVLayout(1, 1, 4, "fp32", 4), num_blocks=8))

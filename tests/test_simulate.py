@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 from radixkv.replay.simulate import replay_tree
 from radixkv.replay.workload import Request, generate_synthetic, load_mooncake
 

@@ -72,11 +72,8 @@ def test_the_replay_tool_never_imports_the_cli() -> None:
 
 
 def test_service_core_never_imports_the_tools() -> None:
-    for name in ("service.py", "events.py", "client.py", "tokens.py", "errors.py", "lease.py",
-                 "types.py", "wire.py", "env.py"):
-        bad = sorted(n for n in imports_of(REPO / "radixkv" / name)
-                     if within(n, ("radixkv.replay", "radixkv.cli", "bench")))
-        assert bad == [], name
+    for folder in ("radixkv/service", "radixkv/protocol", "radixkv/client"):
+        assert offenders(folder, ("radixkv.replay", "radixkv.cli", "bench")) == {}, folder
 
 
 def test_the_index_does_no_io() -> None:
@@ -190,7 +187,7 @@ def test_cycles_finds_a_cycle_and_only_cycles() -> None:
 def test_the_package_import_graph_is_acyclic() -> None:
     known = package_modules()
     graph = {name: import_edges(name, path, known)[0] for name, path in known.items()}
-    assert {"gpu_pool.base", "radixkv.service", "radixkv.index.tree"} <= set(graph)
+    assert {"gpu_pool.base", "radixkv.service.service", "radixkv.index.tree"} <= set(graph)
     assert [sorted(c) for c in cycles(graph) if c not in ALLOWED_CYCLES] == []
 
 
@@ -204,11 +201,50 @@ def test_no_private_name_is_imported_across_modules() -> None:
     assert found == {}
 
 
+# ---- layers by folder: a module imports only from its own layer or those below ------------
+
+LAYERS = (  # bottom up
+    ("gpu_pool",),
+    ("radixkv.v1", "radixkv.etcd", "radixkv.protocol", "radixkv"),  # "radixkv": its __init__
+    ("radixkv.client", "radixkv.index"),
+    ("radixkv.service",),
+    ("radixkv.disk",),
+    ("radixkv.rpc",),
+    ("radixkv.server",),
+    ("radixkv.cluster",),
+    ("radixkv.integrations", "radixkv.engines"),
+    ("radixkv.replay",),
+    ("radixkv.cli", "radixkv.__main__"),
+)
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest LAYERS prefix that holds `module`."""
+    best, length = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > length:
+                best, length = i, len(p)
+    assert best >= 0, f"{module} is in no layer: add its folder to LAYERS"
+    return best
+
+
+def test_layer_of_takes_the_longest_prefix() -> None:
+    assert layer_of("radixkv.service.events") == 3 and layer_of("radixkv.rpc.etcd") == 5
+    assert layer_of("radixkv.protocol.wire") == 1 and layer_of("gpu_pool.base") == 0
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    known = package_modules()
+    upward = sorted(f"{name} -> {e}" for name, path in known.items()
+                    for e in import_edges(name, path, known)[0]
+                    if layer_of(e) > layer_of(name))
+    assert upward == []
+
+
 # what a client must not load: the service and its parts, the server, the index
-SERVICE_SIDE = ("radixkv.service", "radixkv.server", "radixkv.index", "radixkv.events",
-                "radixkv.kinds", "radixkv.lease_table", "radixkv.namespaces", "radixkv.keyed",
-                "radixkv.validation", "radixkv.reclaim", "radixkv.tiers", "radixkv.disk",
-                "radixkv.service_config", "radixkv.cluster")
+SERVICE_SIDE = ("radixkv.service", "radixkv.server", "radixkv.index", "radixkv.disk",
+                "radixkv.rpc", "radixkv.cluster")
 
 # the engine-side modules, all but those that import the engine itself (vLLM, SGLang)
 ENGINE_FREE_INTEGRATIONS = [
@@ -228,8 +264,8 @@ def loaded_by(*names: str) -> list[str]:
     return out.stdout.split()
 
 
-@pytest.mark.parametrize("module", ["radixkv.client", "radixkv.lease", "radixkv.wire",
-                                    "radixkv.limits"])
+@pytest.mark.parametrize("module", ["radixkv.client", "radixkv.client.lease",
+                                    "radixkv.protocol.wire", "radixkv.protocol.limits"])
 def test_the_client_side_loads_no_service_server_or_index(module: str) -> None:
     """What an engine imports, in a fresh interpreter, loads none of the service side."""
     loaded = loaded_by(module)
@@ -278,10 +314,10 @@ def names_in(path: Path) -> set[str]:
             | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)})
 
 
-@pytest.mark.parametrize("name", ["radixkv/service.py", "radixkv/server/servicer.py"])
+@pytest.mark.parametrize("name", ["radixkv/service/service.py", "radixkv/server/servicer.py"])
 def test_the_service_and_servicer_never_ask_which_kind(name: str) -> None:
     """Full attention and sliding window are two namespace kinds behind one contract
-    (radixkv/kinds.py), chosen once: the service and the servicer name no window type."""
+    (radixkv/service/kinds.py), chosen once: the service and the servicer name no window type."""
     window_types = {"WindowLeaseMatch", "WindowMatch", "WindowedRadixTree", "WindowNamespace"}
     assert names_in(REPO / name) & window_types == set()
 
@@ -303,15 +339,17 @@ CORE = ("radixkv", "service")
 LONG_MODULES: dict[str, int] = {
     "gpu_pool/quant.py": 412,
     "radixkv/cli/inspector.py": 439,
+    "radixkv/client/client.py": 405,
     "radixkv/disk/tier.py": 743,
     "radixkv/index/tree.py": 431,
     "radixkv/replay/report.py": 401,
-    "radixkv/service.py": 524,
+    "radixkv/service/kinds.py": 352,
+    "radixkv/service/service.py": 524,
 }
 LONG_FUNCTIONS: dict[str, int] = {
     "radixkv/cli/commands/replay.py:register": 84,
     "radixkv/cli/commands/serve.py:register": 107,
-    "radixkv/cli/commands/serve.py:run": 84,
+    "radixkv/cli/commands/serve.py:run": 85,
     "radixkv/index/integrity.py:check_tree": 64,
     "radixkv/index/tree.py:RadixTree.insert": 67,
     "radixkv/index/window_tree.py:WindowedRadixTree.insert": 62,
@@ -328,21 +366,21 @@ WIDE_FUNCTIONS: dict[str, int] = {
     "gpu_pool/jit.py:Kernel.__init__": 10,
     "radixkv/cli/commands/events.py:tail_events": 8,
     "radixkv/cli/inspector.py:tail_events": 8,
-    "radixkv/client.py:Client.insert": 8,
-    "radixkv/cluster/membership.py:make_info": 8,
+    "radixkv/client/client.py:Client.insert": 8,
+    "radixkv/client/lease.py:Calls.insert": 8,
     "radixkv/engines/attention.py:attention_forward": 10,
     "radixkv/engines/evaluate.py:evaluate": 8,
     "radixkv/engines/window_cache.py:build_cache": 8,
     "radixkv/integrations/vllm/driver.py:Driver.__init__": 8,
     "radixkv/integrations/vllm/worker.py:WorkerSide.__init__": 8,
-    "radixkv/lease.py:Calls.insert": 8,
     "radixkv/replay/client.py:request": 9,
     "radixkv/replay/jobs.py:feed": 8,
     "radixkv/replay/report.py:build_report": 8,
     "radixkv/replay/runner.py:run_replay": 24,
     "radixkv/replay/workload.py:generate_synthetic": 10,
-    "radixkv/service.py:KVService.allocate": 9,
-    "radixkv/service.py:KVService.insert": 8,
+    "radixkv/rpc/membership.py:make_info": 8,
+    "radixkv/service/service.py:KVService.allocate": 9,
+    "radixkv/service/service.py:KVService.insert": 8,
 }
 SHARED_CLASS_NAMES: dict[str, int] = {
     "Counters": 2,
@@ -353,6 +391,7 @@ SHARED_BASENAMES: dict[str, int] = {
     "calc": 2,
     "chat": 2,
     "client": 2,
+    "config": 2,
     "demo": 2,
     "errors": 2,
     "events": 2,
@@ -362,6 +401,7 @@ SHARED_BASENAMES: dict[str, int] = {
     "models": 2,
     "router": 2,
     "stats": 2,
+    "tier": 2,
 }
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from gpu_pool import create_pool
 from gpu_pool.layout import KVLayout
-from radixkv.errors import LeaseExpired, RadixKVError
+from radixkv.protocol.errors import LeaseExpired, RadixKVError
 from radixkv.replay.client import BlockBytes, block_keys
 from radixkv.service import KVService, ServiceConfig
 

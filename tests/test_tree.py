@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.eviction import LFUPolicy
 from radixkv.index.policies import POLICIES, make_policy
 from radixkv.index.results import BlockRemoved, BlockStored, InsertResult
 from radixkv.index.tree import RadixTree
-from radixkv.tokens import from_token_bytes, ids_from_bytes, ids_to_bytes, to_token_bytes
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.tokens import from_token_bytes, ids_from_bytes, ids_to_bytes, to_token_bytes
 
 BS = 4
 

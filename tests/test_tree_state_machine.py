@@ -17,10 +17,10 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.results import BlockRemoved, BlockStored, InsertResult
 from radixkv.index.tree import RadixTree
-from radixkv.tokens import to_token_bytes
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.tokens import to_token_bytes
 
 BS = 4
 # Block codes -> tokens. Codes 0..2 share leading tokens, so blocks differ only late or early.

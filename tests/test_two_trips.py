@@ -8,8 +8,8 @@ import pytest
 from _kv import BS, make_service, toks
 from _server import running_server
 
-from radixkv import errors
 from radixkv.client import STORE_ALL, Client
+from radixkv.protocol import errors
 
 
 @pytest.fixture

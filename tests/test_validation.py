@@ -12,8 +12,8 @@ import pytest
 from _kv import make_service, toks
 from _server import running_server
 
-from radixkv import errors
 from radixkv.client import Client
+from radixkv.protocol import errors
 
 
 @pytest.mark.parametrize("name", ["with space", "tab\there", "nl\n", "\x1b[31mred", "ünï",

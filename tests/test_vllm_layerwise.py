@@ -20,13 +20,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("grpc", reason="radixkv's server needs grpcio")
 
-from radixkv.client import STORE_ALL  # noqa: E402
-from radixkv.errors import LeaseExpired, NotFound  # noqa: E402
+from radixkv.client.client import STORE_ALL  # noqa: E402
 from radixkv.integrations.link import Link  # noqa: E402
 from radixkv.integrations.vllm.loader import parse_cpus  # noqa: E402
 from radixkv.integrations.vllm.messages import Load, Save  # noqa: E402
 from radixkv.integrations.vllm.stats import Stats  # noqa: E402
 from radixkv.integrations.vllm.worker import WorkerSide  # noqa: E402
+from radixkv.protocol.errors import LeaseExpired, NotFound  # noqa: E402
 from radixkv.server.launch import ServerProcess, start_server  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK, PAGES = 6, 2, 16, 16, 12

@@ -14,9 +14,9 @@ from gpu_pool.calc import calculate
 from gpu_pool.layout import PRESETS, KVLayout
 from gpu_pool.window import format_window_layers, parse_window_layers
 from radixkv.client import Client, pool_info_from_pb
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.wire import layout_pb
 from radixkv.v1 import radixkv_pb2 as pb
-from radixkv.wire import layout_pb
 
 BASE = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 8, "torch_dtype": "bfloat16"}

@@ -35,7 +35,7 @@ from gpu_pool.sizing import (
 from radixkv.cli.commands.replay import memory_capacity
 from radixkv.cli.main import main as cli_main
 from radixkv.client import Client, pool_info_from_pb
-from radixkv.errors import IntegrityError, InvalidArgument, OutOfBlocks
+from radixkv.protocol.errors import IntegrityError, InvalidArgument, OutOfBlocks
 from radixkv.server.servicer import Servicer
 from radixkv.service import KVService
 from radixkv.v1 import radixkv_pb2 as pb

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from radixkv.client import Client
-from radixkv.errors import InvalidArgument, OutOfBlocks, PermissionDenied
-from radixkv.limits import HOLE
+from radixkv.protocol.errors import InvalidArgument, OutOfBlocks, PermissionDenied
+from radixkv.protocol.limits import HOLE
 from tests._server import BLOCK_SIZE, running_server
 
 B = BLOCK_SIZE

@@ -10,10 +10,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.results import WindowRemoved, WindowStored
 from radixkv.index.window_tree import WindowedRadixTree
-from radixkv.limits import HOLE
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.limits import HOLE
 
 B = 2
 Path = tuple[tuple[int, ...], ...]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.tokens import from_token_bytes
 from radixkv.replay.workload import (
     MOONCAKE_BLOCK_TOKENS,
     VOCAB_SIZE,
@@ -21,7 +22,6 @@ from radixkv.replay.workload import (
     mooncake_tokens,
     write_token_jsonl,
 )
-from radixkv.tokens import from_token_bytes
 
 TRACES = Path(__file__).parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake" / "conversation_trace.jsonl"

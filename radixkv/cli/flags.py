@@ -10,8 +10,8 @@ from dataclasses import replace
 from typing import Any
 
 from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
-from radixkv.errors import InvalidArgument
 from radixkv.index.policies import DEFAULT_POLICY, POLICIES
+from radixkv.protocol.errors import InvalidArgument
 
 QUANTIZED_KV_DTYPES = ("int8", "int4")  # what --kv-dtype stores
 SINK_FRACTION = 0.125  # the share of sink blocks (a sequence's first block) by default
@@ -153,7 +153,7 @@ def window_fraction_from_args(layout: KVLayout, text: str | None) -> float | Non
 
 
 def add_etcd_flags(g: Any) -> None:
-    """TLS and auth toward etcd (radixkv/cluster/etcd.py EtcdSecurity)."""
+    """TLS and auth toward etcd (radixkv/rpc/etcd.py EtcdSecurity)."""
     g.add_argument("--etcd-ca", metavar="PEM",
                    help="talk TLS to etcd, trusting this CA (default $RADIXKV_ETCD_CA; off)")
     g.add_argument("--etcd-cert", metavar="PEM",
@@ -170,8 +170,8 @@ def add_etcd_flags(g: Any) -> None:
 
 def etcd_security_from_args(args: argparse.Namespace) -> Any:
     """The EtcdSecurity the etcd flags (and their RADIXKV_ETCD_* defaults) describe."""
-    from radixkv.cluster.etcd import EtcdSecurity
-    from radixkv.env import etcd_settings
+    from radixkv.protocol.env import etcd_settings
+    from radixkv.rpc.etcd import EtcdSecurity
 
     env = etcd_settings()
     password = env.get("password")

@@ -31,9 +31,9 @@ import time
 from typing import IO, Any
 
 from radixkv.client import Client
-from radixkv.limits import HOLE
-from radixkv.tokens import from_token_bytes, num_tokens
-from radixkv.types import NodeView
+from radixkv.protocol.limits import HOLE
+from radixkv.protocol.tokens import from_token_bytes, num_tokens
+from radixkv.protocol.values import NodeView
 from radixkv.v1 import radixkv_pb2 as pb
 
 PREVIEW = 8  # token ids shown per edge / prefix

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from radixkv.cli import commands
-from radixkv.errors import RadixKVError
+from radixkv.protocol.errors import RadixKVError
 
 
 def build_parser() -> argparse.ArgumentParser:

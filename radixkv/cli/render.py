@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixkv.tokens import from_token_bytes, num_tokens
+from radixkv.protocol.tokens import from_token_bytes, num_tokens
 
 PREVIEW = 8  # token ids shown per edge / prefix
 

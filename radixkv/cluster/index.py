@@ -18,7 +18,7 @@ prefix:
     held (full)       x   x   x   x   x
     window parts      -   x   -   x   x       -> resumable at d = 2 (h0 h1) and 5 (h3 h4): 5
 
-Hashes are the ones events carry (radixkv.events.chain_hashes: namespace salt, parent hash,
+Hashes are the ones events carry (radixkv.service.events.chain_hashes: namespace salt, parent hash,
 the block's tokens), so equal hashes mean equal namespace and prefix (up to 64-bit collisions);
 the index is advisory anyway: the member's own Match decides what is reused.
 """

@@ -23,9 +23,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from radixkv.cluster.etcd import Etcd, EtcdTarget
 from radixkv.cluster.router_server import BANNER as ROUTER_BANNER
-from radixkv.errors import RadixKVError, Unavailable
+from radixkv.protocol.errors import RadixKVError, Unavailable
+from radixkv.rpc.etcd import Etcd, EtcdTarget
 from radixkv.server.launch import ServerProcess, start_server, stop_process, wait_for_banner
 
 

@@ -19,12 +19,12 @@ import grpc
 
 from radixkv.client import Client
 from radixkv.cluster.router import RankedMember, RouteAnswer
-from radixkv.env import check_socket_dir, client_tls_ca, client_token, normalize_target
-from radixkv.errors import InvalidArgument, Unavailable
-from radixkv.tokens import to_token_bytes
+from radixkv.protocol.env import check_socket_dir, client_tls_ca, client_token, normalize_target
+from radixkv.protocol.errors import InvalidArgument, Unavailable
+from radixkv.protocol.tokens import to_token_bytes
+from radixkv.protocol.wire import call_credentials, message_dict, to_error
 from radixkv.v1 import router_pb2 as pb
 from radixkv.v1 import router_pb2_grpc
-from radixkv.wire import call_credentials, message_dict, to_error
 
 EXCLUDE_S = 2.0  # how long a member that failed a call is left out of our routes
 
@@ -36,7 +36,7 @@ class RouterClient:
                  tls_ca: str | None = None) -> None:
         """`token` (default $RADIXKV_AUTH_TOKEN): the cluster token; `tls_ca` (default
         $RADIXKV_TLS_CA): TLS to a router on TCP, trusting this CA. A Unix socket is checked
-        as a member's is (radixkv.env.check_socket_dir)."""
+        as a member's is (radixkv.protocol.env.check_socket_dir)."""
         self.target = normalize_target(target)
         self.timeout = timeout
         if self.target.startswith("unix://"):

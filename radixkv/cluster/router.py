@@ -26,14 +26,14 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from radixkv.cluster.etcd import NO_SECURITY, Etcd, EtcdSecurity, EtcdTarget
 from radixkv.cluster.follower import Follower
 from radixkv.cluster.index import ClusterIndex
-from radixkv.cluster.membership import MemberInfo
-from radixkv.errors import InvalidArgument, RadixKVError, Unavailable
-from radixkv.events import chain_hashes
-from radixkv.tokens import TOKEN_BYTES
-from radixkv.validation import check_namespace
+from radixkv.protocol.errors import InvalidArgument, RadixKVError, Unavailable
+from radixkv.protocol.tokens import TOKEN_BYTES
+from radixkv.rpc.etcd import NO_SECURITY, Etcd, EtcdSecurity, EtcdTarget
+from radixkv.rpc.membership import MemberInfo
+from radixkv.service.checks import check_namespace
+from radixkv.service.events import chain_hashes
 
 log = logging.getLogger("radixkv.cluster")
 

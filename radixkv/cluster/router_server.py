@@ -2,7 +2,7 @@
 with health checking and reflection. Errors go through the servicer's one status table.
 SIGTERM/SIGINT stop the server, every follower and the etcd watch, and unlink a Unix socket.
 
-Access as on a member (radixkv/server/auth.py): with the cluster token every call but health
+Access as on a member (radixkv/rpc/auth.py): with the cluster token every call but health
 Check needs it; TCP needs a token or --insecure and takes TLS; a Unix socket is created 0600 in
 a directory only this user can write, under a lock file, so a crashed router's stale socket is
 replaced on restart and a live one is never taken over.
@@ -20,14 +20,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from radixkv.cluster.etcd import NO_SECURITY, EtcdSecurity, EtcdTarget
 from radixkv.cluster.router import Router
-from radixkv.errors import AlreadyExists, InvalidArgument
-from radixkv.server.app import insecure_warning, stop_on_signals
-from radixkv.server.auth import AccessInterceptor, server_credentials
-from radixkv.server.executor import SplitExecutor
-from radixkv.server.servicer import rpc
-from radixkv.server.unix_socket import claim_socket, release_socket
+from radixkv.protocol.errors import AlreadyExists, InvalidArgument
+from radixkv.rpc.auth import AccessInterceptor, server_credentials
+from radixkv.rpc.etcd import NO_SECURITY, EtcdSecurity, EtcdTarget
+from radixkv.rpc.executor import SplitExecutor
+from radixkv.rpc.handlers import rpc
+from radixkv.rpc.process import insecure_warning, stop_on_signals
+from radixkv.rpc.unix_socket import claim_socket, release_socket
 from radixkv.v1 import router_pb2 as pb
 from radixkv.v1 import router_pb2_grpc
 

@@ -15,7 +15,12 @@ from gpu_pool.layout import format_bytes
 from radixkv.disk.claim import DirectoryInUse, UnsafeFile
 from radixkv.disk.slots import FILE_NAME, BadTierFile, SlotFile
 from radixkv.disk.tier import DiskTier
-from radixkv.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied
+from radixkv.protocol.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+)
 
 
 def check_directory(directory: str, need_bytes: int) -> None:

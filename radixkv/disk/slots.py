@@ -35,7 +35,7 @@ import xxhash
 
 from gpu_pool.layout import KVLayout
 from radixkv.disk.claim import lock_directory, open_owned
-from radixkv.tokens import TOKEN_BYTES
+from radixkv.protocol.tokens import TOKEN_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -58,12 +58,12 @@ from dataclasses import dataclass, field
 from gpu_pool.base import BlockPool
 from radixkv.disk.index import DiskIndex, Entry, Key
 from radixkv.disk.slots import FILE_NAME, ZERO_HASH, SlotFile, SlotMeta, chain_hash
-from radixkv.errors import IntegrityError, OutOfBlocks, Unavailable
 from radixkv.index.results import InsertResult
-from radixkv.kinds import Namespace
-from radixkv.tiers import MakeRoom, NoTier, Publish
-from radixkv.tokens import block_bytes
-from radixkv.types import DiskStats
+from radixkv.protocol.errors import IntegrityError, OutOfBlocks, Unavailable
+from radixkv.protocol.tokens import block_bytes
+from radixkv.protocol.values import DiskStats
+from radixkv.service.kinds import Namespace
+from radixkv.service.tier import MakeRoom, NoTier, Publish
 
 log = logging.getLogger("radixkv.disk")
 
@@ -235,7 +235,7 @@ class DiskTier(NoTier):
         return mine
 
     def settle(self) -> None:
-        """Off the service lock, on the thread that demoted (radixkv/tiers.py): its pending
+        """Off the service lock, on the thread that demoted (radixkv/service/tier.py): its pending
         payloads copied out of the pool into their entries, and their writes queued (waiting
         for the writer when MAX_PENDING are queued). An entry that left the index meanwhile
         (dropped, cleared, evicted for another) is neither copied nor written."""

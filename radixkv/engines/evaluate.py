@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 # format -> `radixkv serve` flags (on top of the model's layout, --dtype fp32)
 KV_FORMATS: dict[str, tuple[str, ...]] = {

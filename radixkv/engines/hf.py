@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from gpu_pool.layout import KVLayout
-from radixkv.client import STORE_ALL, Client, Lease
+from radixkv.client.client import STORE_ALL, Client, Lease
 from radixkv.engines import window_cache
 from radixkv.engines.window_cache import cache_layers as cache_layers  # re-exported
-from radixkv.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVError
+from radixkv.protocol.errors import InvalidArgument, LeaseExpired, OutOfBlocks, RadixKVError
 
 log = logging.getLogger("radixkv.engines.hf")
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_pool.private_dir import check_private, open_lock, private_dir
-from radixkv.errors import FailedPrecondition, InvalidArgument
+from radixkv.protocol.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("radixkv.engines.models")
 

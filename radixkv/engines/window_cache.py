@@ -40,8 +40,8 @@ from typing import Any, Protocol
 import torch
 
 from gpu_pool.layout import KVLayout
-from radixkv.errors import FailedPrecondition, OutOfBlocks
-from radixkv.limits import HOLE
+from radixkv.protocol.errors import FailedPrecondition, OutOfBlocks
+from radixkv.protocol.limits import HOLE
 
 log = logging.getLogger("radixkv.engines.window_cache")
 

@@ -4,7 +4,7 @@ session's future, for the eviction policy (radixkv.index.adaptive uses them, oth
 
 from __future__ import annotations
 
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 # Retention hints a client may attach to a request (Insert / Release): what it knows about the
 # session's future. NO_HINT is the default; a hint stays on its nodes until their next hit.

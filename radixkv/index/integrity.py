@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.errors import IntegrityError, InvalidArgument
 from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.node import Node
-from radixkv.tokens import TOKEN_BYTES
+from radixkv.protocol.errors import IntegrityError, InvalidArgument
+from radixkv.protocol.tokens import TOKEN_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from sortedcontainers import SortedList
 
 from radixkv.index.node import Node, sorted_keys
-from radixkv.types import NodeView
+from radixkv.protocol.values import NodeView
 
 
 def view(node: Node, root: Node, block_size: int,

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.adaptive import AdaptiveState
 from radixkv.index.eviction import EvictionPolicy, LFUPolicy, LRUPolicy
+from radixkv.protocol.errors import InvalidArgument
 
 PolicyFactory = Callable[[str], EvictionPolicy[Any]]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.types import InsertResult, NodeView
+from radixkv.protocol.values import InsertResult, NodeView
 
 __all__ = ["BlockRemoved", "BlockStored", "InsertResult", "MatchResult", "NodeView", "TreeEvent",
            "TreeStats", "WindowRemoved", "WindowStored", "new_match_result"]

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.hints import NO_HINT, SESSION_END, parse_hint
 from radixkv.index.integrity import Counters, check_block_ids, check_tree
@@ -39,7 +38,8 @@ from radixkv.index.results import (
     TreeStats,
     new_match_result,
 )
-from radixkv.tokens import TokensLike, block_bytes, to_token_bytes
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.tokens import TokensLike, block_bytes, to_token_bytes
 
 
 class RadixTree:

@@ -32,13 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.errors import IntegrityError, InvalidArgument
 from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.node import Handle, Node
 from radixkv.index.results import InsertResult, MatchResult, WindowRemoved, WindowStored
 from radixkv.index.tree import RadixTree
-from radixkv.limits import HOLE
-from radixkv.tokens import TokensLike, to_token_bytes
+from radixkv.protocol.errors import IntegrityError, InvalidArgument
+from radixkv.protocol.limits import HOLE
+from radixkv.protocol.tokens import TokensLike, to_token_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from radixkv.types import LeaseMatch
+from radixkv.protocol.values import LeaseMatch
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.errors import InvalidArgument, OutOfBlocks
-from radixkv.limits import HOLE
-from radixkv.tokens import block_bytes, num_tokens
+from radixkv.protocol.errors import InvalidArgument, OutOfBlocks
+from radixkv.protocol.limits import HOLE
+from radixkv.protocol.tokens import block_bytes, num_tokens
 
 _PERSON = b"radixkv-replay"
 

@@ -100,7 +100,7 @@ class ClusterStats:
 
     def stats(self, check_integrity: bool = False) -> dict[str, Any]:
         from radixkv.client import Client
-        from radixkv.errors import RadixKVError
+        from radixkv.protocol.errors import RadixKVError
 
         total: dict[str, Any] = {"namespaces": [], "integrity": ""}
         by_ns: dict[str, dict[str, Any]] = {}

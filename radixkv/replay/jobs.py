@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixkv.errors import RadixKVError
+from radixkv.protocol.errors import RadixKVError
 from radixkv.replay.client import block_keys
 from radixkv.replay.cluster import ClusterRun
 from radixkv.replay.hints import trace_hints

@@ -33,7 +33,7 @@ import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 NEVER = 1 << 62  # "next use" of a block that is not used again
 

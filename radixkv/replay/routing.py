@@ -26,7 +26,7 @@ import numpy as np
 
 from radixkv.client import Client
 from radixkv.cluster.routed import RoutedClient
-from radixkv.errors import InvalidArgument, StalePool, Unavailable
+from radixkv.protocol.errors import InvalidArgument, StalePool, Unavailable
 from radixkv.replay.client import BlockBytes, ClientArgs
 
 POLICIES = ("cache-aware", "session", "round-robin", "random")

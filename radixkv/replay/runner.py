@@ -52,8 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.policies import DEFAULT_POLICY
+from radixkv.protocol.errors import InvalidArgument
 from radixkv.replay.client import ClientArgs, block_keys
 from radixkv.replay.cluster import (
     ClusterRun,

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.policies import DEFAULT_POLICY, make_policy
 from radixkv.index.tree import RadixTree
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.tokens import block_bytes, num_tokens
 from radixkv.replay.workload import Request
-from radixkv.tokens import block_bytes, num_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.errors import InvalidArgument
-from radixkv.tokens import TOKEN_DTYPE, from_token_bytes, num_tokens, to_token_bytes
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.tokens import TOKEN_DTYPE, from_token_bytes, num_tokens, to_token_bytes
 
 MOONCAKE_BLOCK_TOKENS = 512
 VOCAB_SIZE = 128_000

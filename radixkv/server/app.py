@@ -7,11 +7,9 @@ drain in-flight calls, then unlink the socket and the pool's shared memory.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
-import signal
 import threading
 from typing import Any
 
@@ -20,15 +18,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_pool import create_pool
-from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
-from radixkv.server.auth import AccessInterceptor, server_credentials
+from radixkv.protocol.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.rpc.auth import AccessInterceptor, server_credentials
+from radixkv.rpc.executor import SplitExecutor
+from radixkv.rpc.process import insecure_warning, stop_on_signals
+from radixkv.rpc.unix_socket import claim_socket, release_socket
 from radixkv.server.config import ServerConfig
-from radixkv.server.executor import SplitExecutor
 from radixkv.server.metrics import Metrics
 from radixkv.server.servicer import SERVICE_NAME, Servicer
-from radixkv.server.unix_socket import claim_socket, release_socket
 from radixkv.service import KVService
-from radixkv.tiers import NoTier
+from radixkv.service.tier import NoTier
 from radixkv.v1 import radixkv_pb2, radixkv_pb2_grpc
 
 log = logging.getLogger("radixkv.server.app")
@@ -41,14 +40,6 @@ def check_exposure(config: ServerConfig) -> None:
             f"--tcp {config.tcp} without a token: every local user (and anyone who reaches the "
             "port) could read and clear the cache. Give --auth-token-file (or "
             "$RADIXKV_AUTH_TOKEN), or --insecure if that is really meant")
-
-
-def insecure_warning(where: str) -> list[str]:
-    """The lines logged when a TCP listener runs without a token (--insecure)."""
-    bar = "!" * 72
-    return [bar, f"INSECURE: {where} accepts every call without a token (--insecure): any local "
-            "user, and anyone who reaches the port, can read cached token ids (DumpTree), "
-            "pin and clear the cache", bar]
 
 
 class RadixKVServer:
@@ -73,7 +64,7 @@ class RadixKVServer:
         self._sweeper = threading.Thread(target=self._sweep, name="lease-sweeper", daemon=True)
         self.addresses: list[str] = []
         self.metrics_url: str | None = None
-        self.registration: Any = None  # radixkv.cluster.membership.Registration, with --cluster
+        self.registration: Any = None  # radixkv.rpc.membership.Registration, with --cluster
 
     def _open_tier(self) -> NoTier | None:
         """The disk tier on --disk-dir (its index rebuilt from the file), or None."""
@@ -159,9 +150,9 @@ class RadixKVServer:
             log.info("metrics on %s", self.metrics_url)
 
     def _join_cluster(self) -> None:
-        """Register in etcd (radixkv.cluster.membership); Unavailable if etcd is unreachable."""
-        from radixkv.cluster.etcd import EtcdTarget
-        from radixkv.cluster.membership import Registration, make_info
+        """Register in etcd (radixkv.rpc.membership); Unavailable if etcd is unreachable."""
+        from radixkv.rpc.etcd import EtcdTarget
+        from radixkv.rpc.membership import Registration, make_info
 
         cfg = self.config
         if not cfg.node_id:
@@ -218,19 +209,6 @@ class RadixKVServer:
         self._server.wait_for_termination()
 
 
-def stop_on_signals() -> threading.Event:
-    """An event that SIGTERM or SIGINT sets (logged): the main thread waits on it."""
-    done = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return done
-
-
 def serve(config: ServerConfig, ready: Any = None) -> int:
     """Run until SIGTERM/SIGINT. `ready(server)` is called once listening."""
     server = RadixKVServer(config)
@@ -248,39 +226,3 @@ def serve(config: ServerConfig, ready: Any = None) -> int:
     return 0
 
 
-def pin_cpus(spec: str) -> set[int]:
-    """Run this process (every thread it starts from now on) on the CPUs of `spec` ("3",
-    "2,3", "0-1"): Python runs one thread at a time, and a server whose threads hop between
-    cores moves its hot data between their caches on every hand-off. Returns the set;
-    InvalidArgument for a malformed list or a CPU this process may not use."""
-    cpus: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise InvalidArgument(f"--cpus {spec!r}: give CPU numbers and ranges, e.g. 3 or "
-                              "2,3 or 0-1") from None
-    allowed = os.sched_getaffinity(0)
-    if not cpus or not cpus <= allowed:
-        raise InvalidArgument(f"--cpus {spec!r}: this process may use CPUs "
-                              f"{','.join(map(str, sorted(allowed)))}")
-    for tid in os.listdir("/proc/self/task"):  # this thread and any a library started
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(tid), cpus)
-    return cpus
-
-
-def exit_with_parent() -> None:
-    """Have the kernel SIGTERM this process when its parent exits (Linux PR_SET_PDEATHSIG), so
-    a server launched by a tool that dies before its cleanup stops cleanly too."""
-    import ctypes
-
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        log.warning("--exit-with-parent needs Linux prctl; the server will outlive its parent")
-        return
-    if os.getppid() != parent:  # the parent died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,5 +1,5 @@
 """Server configuration: one frozen ServerConfig; the RADIXKV_* variables it reads are listed
-and read in radixkv.env."""
+and read in radixkv.protocol.env."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpu_pool.layout import KVLayout
-from radixkv.cluster.etcd import NO_SECURITY, EtcdSecurity
-from radixkv.env import default_socket_path, server_settings
-from radixkv.server.auth import read_token
-from radixkv.service_config import ServiceConfig
+from radixkv.protocol.env import default_socket_path, server_settings
+from radixkv.rpc.auth import read_token
+from radixkv.rpc.etcd import NO_SECURITY, EtcdSecurity
+from radixkv.service.config import ServiceConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,7 @@ class ServerConfig:
     socket: str | None = None  # None: default_socket_path(); "" with tcp set: TCP only
     tcp: str | None = None  # "HOST:PORT" to also listen on TCP
     max_message_bytes: int = 64 << 20
-    workers: int = 2  # threads running calls (radixkv/server/executor.py says why so few)
+    workers: int = 2  # threads running calls (radixkv/rpc/executor.py says why so few)
     stream_workers: int = 16  # concurrent server streams (Events subscribers, ...); more refused
     streams_per_peer: int | None = None  # server streams one TCP peer may hold (None: half)
     # calls and streams in progress or queued at once; past it RESOURCE_EXHAUSTED at once

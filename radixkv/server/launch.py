@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from radixkv.errors import AlreadyExists, Unavailable
+from radixkv.protocol.errors import AlreadyExists, Unavailable
 
 BANNER = "radixkv serving on"
 SOCKET_TAKEN = "another radixkv server holds"  # the server's refusal when the socket is in use

@@ -40,9 +40,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixkv.errors import AlreadyExists, InvalidArgument
+from radixkv.protocol.errors import AlreadyExists, InvalidArgument
+from radixkv.protocol.values import ServiceStats
 from radixkv.service import KVService
-from radixkv.types import ServiceStats
 from radixkv.v1 import radixkv_pb2
 
 # RPCs take tens of microseconds to a few milliseconds; the default buckets start at 5 ms.

@@ -1,7 +1,7 @@
 """The RadixKV gRPC servicer: proto <-> KVService.
 
 Each project exception names its status code (`RadixKVError.code`); the servicer aborts through
-radixkv.wire's table with that code, the message (which carries the numbers), and the
+radixkv.protocol.wire's table with that code, the message (which carries the numbers), and the
 exception's class name in the trailing metadata key `radixkv-error`, so the client can raise the
 same class again.
 """
@@ -9,84 +9,34 @@ same class again.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, Protocol, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
-from radixkv.errors import (
+from radixkv.protocol.errors import (
     IntegrityError,
     InvalidArgument,
     LimitExceeded,
-    RadixKVError,
     StalePool,
 )
-from radixkv.events import KVEvent
-from radixkv.service import DUMP_PAGE, KVService
-from radixkv.tokens import ids_from_bytes, ids_to_bytes
+from radixkv.protocol.tokens import ids_from_bytes, ids_to_bytes
+from radixkv.protocol.wire import layout_pb, pool_info_pb, tree_node_pb
+from radixkv.rpc.handlers import RpcObserver, abort, rpc
+from radixkv.service.events import KVEvent
+from radixkv.service.service import DUMP_PAGE, KVService
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
-from radixkv.wire import STATUS, layout_pb, pool_info_pb, trailing_metadata, tree_node_pb
 
 log = logging.getLogger("radixkv.server.app")
 
 SERVICE_NAME = "radixkv.v1.RadixKV"
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 MAX_BATCH = 4096  # queries per Match, items per Insert, ids per Release / KeepAlive
 INTEGRITY_SHARE = 0.1  # Stats' O(pool) integrity checks may take at most this share of time
-
-
-class RpcObserver(Protocol):
-    """Told about every unary call the `rpc` wrapper runs (radixkv.server.metrics implements it)."""
-
-    def observe_rpc(self, method: str, seconds: float, code: str) -> None: ...
-
-
-def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
-    """Abort through the one table: a project error keeps its status and class name; anything
-    else is a bug and becomes INTERNAL. Raises (grpc's abort always does)."""
-    if isinstance(e, RadixKVError):
-        context.set_trailing_metadata(trailing_metadata(e))
-        context.abort(STATUS.get(type(e), grpc.StatusCode.INTERNAL), str(e))
-    else:
-        log.error("internal error in %s", method, exc_info=e)
-        context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
-    raise AssertionError("context.abort() returned")
-
-
-def status_of(e: Exception) -> str:
-    """The status code name `_abort` gives `e`."""
-    if isinstance(e, RadixKVError):
-        return str(STATUS.get(type(e), grpc.StatusCode.INTERNAL).name)
-    return "INTERNAL"
-
-
-def rpc(method: F) -> F:
-    """Turn project exceptions into statuses through STATUS; anything else is INTERNAL. Reports
-    each call's latency and status code to the servicer's observer, if it has one."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
-        observer = self.observer
-        start = time.perf_counter() if observer is not None else 0.0
-        try:
-            response = method(self, request, context)
-        except Exception as e:  # a project error, or a bug: say so, keep serving
-            if observer is not None:
-                observer.observe_rpc(name, time.perf_counter() - start, status_of(e))
-            _abort(context, name, e)
-        if observer is not None:
-            observer.observe_rpc(name, time.perf_counter() - start, "OK")
-        return response
-
-    return wrapper  # type: ignore[return-value]
 
 
 def event_pb(ev: KVEvent, epoch: str) -> pb.Event:
@@ -307,13 +257,13 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         last = log_.last_sequence
         epoch = self.service.epoch
         if request.epoch and request.epoch != epoch:
-            _abort(context, "Events", StalePool(
+            abort(context, "Events", StalePool(
                 f"events of epoch {request.epoch} are gone: the service restarted (epoch "
                 f"{epoch}); rebuild from DumpTree and subscribe from its last_sequence"))
         if request.from_sequence > last + 1:
             # Most likely a subscriber resuming across a service restart (numbers restart at
             # 1); waiting for that number would silently skip everything up to it.
-            _abort(context, "Events", InvalidArgument(
+            abort(context, "Events", InvalidArgument(
                 f"from_sequence {request.from_sequence} is ahead of the last event {last} "
                 f"(pool epoch {self.service.epoch}; did the service restart?)"))
         after = request.from_sequence - 1 if request.from_sequence else last

@@ -79,7 +79,7 @@ def _check_layout(target: str | None, model: str) -> None:
     from gpu_pool.layout import KVLayout
     from radixkv.client import Client
     from radixkv.engines.models import get_spec
-    from radixkv.errors import InvalidArgument, Unavailable
+    from radixkv.protocol.errors import InvalidArgument, Unavailable
 
     preset = get_spec(model).preset
     assert preset is not None

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from radixkv.client import Client
-from radixkv.env import default_socket_path
-from radixkv.errors import AlreadyExists
+from radixkv.protocol.env import default_socket_path
+from radixkv.protocol.errors import AlreadyExists
 from radixkv.server.launch import server_process, start_server
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""`radixkv inspect`: read-only views of a running service, made only from `radixkv.client`
+"""`radixkv inspect`: read-only views of a running service, made only from `radixkv.client.client`
 calls (Stats, DumpTree): the summary (default, radixkv/cli/summary.py), one namespace's radix
 tree, its hottest prefixes; with --router, a cluster's members as its router sees them.
 
@@ -31,9 +31,9 @@ from radixkv.cli.flags import connection_parent, service_target
 from radixkv.cli.render import PREVIEW, age, ids, markup_safe, show, token_ids
 from radixkv.cli.summary import render_summary, summary
 from radixkv.client import Client
-from radixkv.limits import HOLE
-from radixkv.tokens import num_tokens
-from radixkv.types import NodeView
+from radixkv.protocol.limits import HOLE
+from radixkv.protocol.tokens import num_tokens
+from radixkv.protocol.values import NodeView
 
 
 def register(sub: Any) -> None:

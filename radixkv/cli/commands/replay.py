@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.cli.flags import QUANTIZED_KV_DTYPES, add_policy_flag, add_sink_fraction_flag
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 from radixkv.replay.cluster import ReplayWindow
 from radixkv.replay.report import render_report, write_plots
 from radixkv.replay.routing import POLICIES as ROUTING_POLICIES

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 
 def register(sub: Any) -> None:

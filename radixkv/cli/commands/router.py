@@ -40,9 +40,9 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve the router until stopped."""
     from radixkv.cluster.router_server import BANNER, RouterConfig, serve_router
-    from radixkv.env import client_token
-    from radixkv.server.app import exit_with_parent
-    from radixkv.server.auth import read_token
+    from radixkv.protocol.env import client_token
+    from radixkv.rpc.auth import read_token
+    from radixkv.rpc.process import exit_with_parent
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

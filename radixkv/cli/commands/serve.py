@@ -21,7 +21,7 @@ from radixkv.cli.flags import (
     positive_int,
     window_fraction_from_args,
 )
-from radixkv.errors import RadixKVError
+from radixkv.protocol.errors import RadixKVError
 
 
 def register(sub: Any) -> None:
@@ -114,7 +114,7 @@ def register(sub: Any) -> None:
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (127.0.0.1; 0 or absent: off)")
-    g = p.add_argument_group("cluster (radixkv/cluster/membership.py)")
+    g = p.add_argument_group("cluster (radixkv/rpc/membership.py)")
     g.add_argument("--cluster", metavar="etcd://HOST:PORT[/NAME]",
                    help="register this server as a member of the cluster NAME (default "
                    "'default') in etcd, for `radixkv router`; off by default")
@@ -137,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
     """Build the server config from the flags (and the environment) and serve."""
     import logging
 
-    from radixkv.server.app import exit_with_parent, pin_cpus, serve
-    from radixkv.server.auth import read_token
+    from radixkv.rpc.auth import read_token
+    from radixkv.rpc.process import exit_with_parent, pin_cpus
+    from radixkv.server.app import serve
     from radixkv.server.config import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(),

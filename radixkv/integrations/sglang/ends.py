@@ -35,9 +35,9 @@ from typing import Any
 
 from gpu_pool.handle import pid_alive
 from radixkv.client import Client
-from radixkv.errors import LeaseExpired, NotFound, PermissionDenied
 from radixkv.integrations.releaser import Releaser
-from radixkv.types import LeaseMatch
+from radixkv.protocol.errors import LeaseExpired, NotFound, PermissionDenied
+from radixkv.protocol.values import LeaseMatch
 
 log = logging.getLogger("radixkv.integrations.sglang")
 

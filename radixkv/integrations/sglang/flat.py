@@ -11,7 +11,7 @@ import torch
 from radixkv.client import Client
 from radixkv.integrations.releaser import Releaser
 from radixkv.integrations.sglang.keys import KeyPaths
-from radixkv.types import LeaseMatch
+from radixkv.protocol.values import LeaseMatch
 
 T = TypeVar("T")
 

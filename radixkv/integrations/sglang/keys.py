@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from radixkv.limits import MAX_KEY_SIZE, MIN_KEY_SIZE
+from radixkv.protocol.limits import MAX_KEY_SIZE, MIN_KEY_SIZE
 
 log = logging.getLogger("radixkv.integrations.sglang")
 

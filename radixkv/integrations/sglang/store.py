@@ -9,7 +9,7 @@
 
 SGLang names a page of KV by a chain hash (64 hex digits: SHA-256 of the page's tokens and the
 hash before it), never by tokens, so pages live in a key-keyed radixkv namespace
-(radixkv.keyed): one key per radixkv block, block_size = SGLang's page size. With
+(radixkv.service.keyed): one key per radixkv block, block_size = SGLang's page size. With
 `hicache_storage_pass_prefix_keys` each call also gets the keys from the sequence start, so a
 call's pages extend the tree path of their prefix wherever SGLang cut its batches; without it a
 call's keys stand alone (a path from the root).
@@ -57,7 +57,6 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from radixkv.client import Client
-from radixkv.errors import LeaseExpired, NotFound, PermissionDenied
 from radixkv.integrations.held import HeldLeases
 from radixkv.integrations.layout import TORCH_DTYPES, HostPages, LayoutError
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
@@ -65,8 +64,9 @@ from radixkv.integrations.sglang.ends import LeaseEnds
 from radixkv.integrations.sglang.flat import FlatPages
 from radixkv.integrations.sglang.host_slots import HostSlots
 from radixkv.integrations.sglang.keys import KeyPaths, namespace_name
-from radixkv.limits import MIN_LEASE_TTL_S
-from radixkv.types import LeaseMatch
+from radixkv.protocol.errors import LeaseExpired, NotFound, PermissionDenied
+from radixkv.protocol.limits import MIN_LEASE_TTL_S
+from radixkv.protocol.values import LeaseMatch
 
 log = logging.getLogger("radixkv.integrations.sglang")
 

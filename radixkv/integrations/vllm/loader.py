@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 from radixkv.client import Client
-from radixkv.errors import LeaseExpired, NotFound
 from radixkv.integrations.layout import Pages
 from radixkv.integrations.link import Down, Link
 from radixkv.integrations.vllm.messages import Load
+from radixkv.protocol.errors import LeaseExpired, NotFound
 
 
 def release_after_copy(client: Client, lease_id: int) -> bool:

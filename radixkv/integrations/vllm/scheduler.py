@@ -23,7 +23,7 @@ from radixkv.client import STORE_ALL, Client
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
 from radixkv.integrations.vllm.messages import Load, Save
 from radixkv.integrations.vllm.stats import Stats
-from radixkv.types import LeaseMatch
+from radixkv.protocol.values import LeaseMatch
 
 DTYPES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from radixkv.client import Client
-from radixkv.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
 from radixkv.integrations import pages_kernel
 from radixkv.integrations.layout import FlashPages, LayoutError, Pages, ProbedPages, check_layers
 from radixkv.integrations.link import Down, Link
 from radixkv.integrations.vllm.loader import LayerLoader, release_after_copy
 from radixkv.integrations.vllm.messages import Load, Save
 from radixkv.integrations.vllm.stats import Stats
+from radixkv.protocol.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
 
 _LAYER = re.compile(r"\.(\d+)\.")
 # A store renews its lease for this long before it writes into the lease's blocks: were the lease

@@ -7,8 +7,8 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from gpu_pool import PoolMapping
-from radixkv.errors import RadixKVError
-from radixkv.types import Allocation, InsertResult, LeaseMatch
+from radixkv.protocol.errors import RadixKVError
+from radixkv.protocol.values import Allocation, InsertResult, LeaseMatch
 
 
 class Calls(Protocol):

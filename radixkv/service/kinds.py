@@ -20,7 +20,7 @@ resume need) lives here, in `Namespace` and its subclass `WindowNamespace`, as t
     blocks_to_store  the blocks a Match that stores (store_tokens) covers
 
 The service picks the kind once, from the pool's layout (`kind_of`), and never asks which one
-it has. A third kind, key-keyed (radixkv.keyed), names blocks by opaque keys instead of
+it has. A third kind, key-keyed (radixkv.service.keyed), names blocks by opaque keys instead of
 tokens: `Namespaces.open` makes one where a call gives keys.
 """
 
@@ -32,16 +32,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.errors import FailedPrecondition
 from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.hints import NO_HINT
 from radixkv.index.results import BlockRemoved, InsertResult, MatchResult, NodeView, TreeEvent
 from radixkv.index.tree import RadixTree
 from radixkv.index.window_tree import WindowedRadixTree, WindowMatch
-from radixkv.lease_table import Lease
-from radixkv.limits import HOLE
-from radixkv.tokens import block_bytes, ids_to_bytes, num_tokens
-from radixkv.types import LeaseMatch, NamespaceStats, WindowLeaseMatch
+from radixkv.protocol.errors import FailedPrecondition
+from radixkv.protocol.limits import HOLE
+from radixkv.protocol.tokens import block_bytes, ids_to_bytes, num_tokens
+from radixkv.protocol.values import LeaseMatch, NamespaceStats, WindowLeaseMatch
+from radixkv.service.leases import Lease
 
 Claim = Callable[[Lease, int, set[int], str], None]  # LeaseTable.claim: one id for an Insert
 
@@ -65,7 +65,7 @@ class Counters:
 class Namespace:
     """A full-attention namespace."""
 
-    key_size = 0  # token-keyed (radixkv.keyed: key-keyed)
+    key_size = 0  # token-keyed (radixkv.service.keyed: key-keyed)
     tiered = True  # its blocks may go to the tier below the pool (docs/disk-tier.md)
 
     def __init__(self, name: str, block_size: int, window_blocks: int, policy: EvictionPolicy[Any],

@@ -10,11 +10,11 @@ they stay older than the runner-up's). Two rules on top:
 - window parts (sliding-window pools): unprotected window parts alone go first, oldest
   namespace's first, then whole leaves.
 
-Evicted blocks go to the tier below the pool first (`tier.demote`; radixkv/tiers.py), if there
-is one: it copies their bytes out after the locked section (`settle`), so a block is handed out
-only once no other call still copies out of it (`tier.claimed`). `take` gives a lease the
-blocks made room for; `store` does both for a Match that stores the rest of its prompt (the
-two-trip path), with the window parts its namespace's kind plans.
+Evicted blocks go to the tier below the pool first (`tier.demote`; radixkv/service/tier.py), if
+there is one: it copies their bytes out after the locked section (`settle`), so a block is handed
+out only once no other call still copies out of it (`tier.claimed`). `take` gives a lease the blocks
+made room for; `store` does both for a Match that stores the rest of its prompt (the two-trip path),
+with the window parts its namespace's kind plans.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from __future__ import annotations
 import dataclasses
 
 from gpu_pool.base import BlockPool
-from radixkv.errors import OutOfBlocks
-from radixkv.events import EventLog
 from radixkv.index.results import MatchResult
-from radixkv.kinds import Namespace
-from radixkv.lease_table import Lease, LeaseTable
-from radixkv.namespaces import Namespaces
-from radixkv.tiers import NoTier
-from radixkv.types import LeaseMatch
+from radixkv.protocol.errors import OutOfBlocks
+from radixkv.protocol.values import LeaseMatch
+from radixkv.service.events import EventLog
+from radixkv.service.kinds import Namespace
+from radixkv.service.leases import Lease, LeaseTable
+from radixkv.service.namespaces import Namespaces
+from radixkv.service.tier import NoTier
 
 
 class Reclaimer:

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.hints import NO_HINT, parse_hint
-from radixkv.limits import HOLE, MAX_KEY_SIZE, MIN_KEY_SIZE, MIN_LEASE_TTL_S
-from radixkv.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.limits import HOLE, MAX_KEY_SIZE, MIN_KEY_SIZE, MIN_LEASE_TTL_S
+from radixkv.protocol.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 if TYPE_CHECKING:
     from gpu_pool.base import BlockPool
-    from radixkv.service_config import ServiceConfig
+    from radixkv.service.config import ServiceConfig
 
 MAX_NAMESPACE_LEN = 256
 # Namespace names: printable ASCII without spaces ("llama3-8b@rev1", "tenant-a/chat:v2").

@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.errors import InvalidArgument
+from radixkv.protocol.errors import InvalidArgument
 
 TokensLike: TypeAlias = bytes | bytearray | memoryview | npt.NDArray[Any] | Sequence[int]
 

@@ -21,9 +21,9 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.results import BlockRemoved, BlockStored, TreeEvent, WindowStored
-from radixkv.tokens import block_bytes
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.tokens import block_bytes
 
 MAX_BATCH = 1024  # events one read() returns at most, so a resume never copies the whole buffer
 

@@ -26,15 +26,20 @@ from typing import Any
 import grpc
 
 from gpu_pool import PoolMapping, attach
-from radixkv import errors
-from radixkv.env import check_socket_dir, client_tls_ca, client_token, normalize_target
-from radixkv.errors import InvalidArgument, RadixKVError
-from radixkv.lease import Lease
-from radixkv.tokens import ids_from_bytes, to_token_bytes
-from radixkv.types import Allocation, DumpPage, InsertResult, LeaseMatch, NodeView, PoolInfo
-from radixkv.v1 import radixkv_pb2 as pb
-from radixkv.v1 import radixkv_pb2_grpc
-from radixkv.wire import (
+from radixkv.client.lease import Lease
+from radixkv.protocol import errors
+from radixkv.protocol.env import check_socket_dir, client_tls_ca, client_token, normalize_target
+from radixkv.protocol.errors import InvalidArgument, RadixKVError
+from radixkv.protocol.tokens import ids_from_bytes, to_token_bytes
+from radixkv.protocol.values import (
+    Allocation,
+    DumpPage,
+    InsertResult,
+    LeaseMatch,
+    NodeView,
+    PoolInfo,
+)
+from radixkv.protocol.wire import (
     STORE_ALL,
     call_credentials,
     hint_codes,
@@ -44,8 +49,10 @@ from radixkv.wire import (
     pool_info_from_pb,
     to_error,
 )
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
 
-log = logging.getLogger("radixkv.client")
+log = logging.getLogger("radixkv.client.client")
 
 # what engines and tools import from here
 __all__ = ["STORE_ALL", "Client", "Lease", "PoolInfo", "RadixKVError", "message_dict",

@@ -21,10 +21,10 @@ from typing import Any
 from radixkv.index.eviction import EvictionPolicy
 from radixkv.index.results import InsertResult, MatchResult, NodeView
 from radixkv.index.tree import RadixTree
-from radixkv.kinds import Counters, Namespace
-from radixkv.lease_table import Lease
-from radixkv.tokens import TOKEN_BYTES
-from radixkv.types import LeaseMatch, NamespaceStats
+from radixkv.protocol.tokens import TOKEN_BYTES
+from radixkv.protocol.values import LeaseMatch, NamespaceStats
+from radixkv.service.kinds import Counters, Namespace
+from radixkv.service.leases import Lease
 
 
 class KeyNamespace(Namespace):

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from radixkv.errors import InvalidArgument
-from radixkv.wire import AUTH_HEADER, ERROR_KEY
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.wire import AUTH_HEADER, ERROR_KEY
 
 
 def read_token(path: str | None, env_value: str | None) -> str | None:

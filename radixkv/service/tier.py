@@ -29,11 +29,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from radixkv.types import DiskStats
+from radixkv.protocol.values import DiskStats
 
 if TYPE_CHECKING:
     from radixkv.index.results import InsertResult
-    from radixkv.kinds import Namespace
+    from radixkv.service.kinds import Namespace
 
 MakeRoom = Callable[[int, int], int]  # (regular, sink blocks) -> blocks evicted; OutOfBlocks
 Publish = Callable[[str], None]  # publish a namespace's queued tree events

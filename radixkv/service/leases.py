@@ -20,7 +20,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
-from radixkv.errors import (
+from radixkv.index.hints import NO_HINT
+from radixkv.protocol.errors import (
     AlreadyExists,
     IntegrityError,
     InvalidArgument,
@@ -29,8 +30,7 @@ from radixkv.errors import (
     NotFound,
     PermissionDenied,
 )
-from radixkv.index.hints import NO_HINT
-from radixkv.service_config import ServiceConfig
+from radixkv.service.config import ServiceConfig
 
 EXPIRED_MEMORY = 65536  # how many expired lease ids we remember, to tell "expired" from "unknown"
 

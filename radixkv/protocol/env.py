@@ -24,7 +24,7 @@ import stat
 import tempfile
 from typing import Any
 
-from radixkv.errors import PermissionDenied
+from radixkv.protocol.errors import PermissionDenied
 
 
 def default_socket_path() -> str:

@@ -48,25 +48,25 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from gpu_pool.base import BlockPool, PoolHandle
-from radixkv.errors import (
+from radixkv.index.pages import page
+from radixkv.index.policies import policy_factory
+from radixkv.index.results import InsertResult, MatchResult, NodeView
+from radixkv.protocol.errors import (
     FailedPrecondition,
     IntegrityError,
     InvalidArgument,
     NotFound,
     OutOfBlocks,
 )
-from radixkv.events import EventLog
-from radixkv.index.pages import page
-from radixkv.index.policies import policy_factory
-from radixkv.index.results import InsertResult, MatchResult, NodeView
-from radixkv.kinds import Namespace, kind_of
-from radixkv.lease_table import Lease, LeaseTable
-from radixkv.namespaces import Namespaces
-from radixkv.reclaim import Reclaimer
-from radixkv.service_config import ServiceConfig
-from radixkv.tiers import NoTier, SettlingLock
-from radixkv.types import Allocation, DumpPage, LeaseMatch, ServiceStats
-from radixkv.validation import InputChecks, check_namespace, hint_codes
+from radixkv.protocol.values import Allocation, DumpPage, LeaseMatch, ServiceStats
+from radixkv.service.allocator import Reclaimer
+from radixkv.service.checks import InputChecks, check_namespace, hint_codes
+from radixkv.service.config import ServiceConfig
+from radixkv.service.events import EventLog
+from radixkv.service.kinds import Namespace, kind_of
+from radixkv.service.leases import Lease, LeaseTable
+from radixkv.service.namespaces import Namespaces
+from radixkv.service.tier import NoTier, SettlingLock
 
 __all__ = ["KVService", "ServiceConfig"]
 
@@ -84,7 +84,7 @@ class KVService:
         tier: NoTier | None = None,
     ) -> None:
         self.pool = pool
-        self._tier = tier or NoTier()  # below the pool: radixkv/tiers.py
+        self._tier = tier or NoTier()  # below the pool: radixkv/service/tier.py
         self.config = config or ServiceConfig()
         self.block_size = pool.layout.block_size
         self.events = EventLog(self.block_size, self.config.event_buffer)
@@ -133,7 +133,7 @@ class KVService:
         for the uncached full blocks among its first store_tokens[i] tokens, allocated once
         every query is matched and pinned; a query that finds no room says so in its
         `alloc_error` and keeps its match (the batch does not fail). `key_sizes`: None or one
-        per query, the bytes of each block key where that query gives keys (radixkv.keyed),
+        per query, the bytes of each block key where that query gives keys (radixkv.service.keyed),
         0 where it gives tokens."""
         sizes = self._key_sizes(key_sizes, len(queries))
         for (namespace, tokens), key_size in zip(queries, sizes, strict=True):
@@ -182,8 +182,8 @@ class KVService:
     def _plan_promotions(self, queries: Sequence[tuple[str, bytes]], sizes: Sequence[int],
                          check: Callable[[], None]) -> list[Any]:
         """What the tier below the pool has for each token-keyed query, read off the lock
-        into pool blocks reserved for it (radixkv/tiers.py: plan, read; `apply` puts it in the
-        tree under the lock, before the Match). `check`: the batch's checks, made first, so a
+        into pool blocks reserved for it (radixkv/service/tier.py: plan, read; `apply` puts it in
+        the tree under the lock, before the Match). `check`: the batch's checks, made first, so a
         batch that fails them evicts nothing to make room. Nothing without a tier."""
         if not self._tier.present:
             return [None] * len(queries)
@@ -224,7 +224,7 @@ class KVService:
         looking for a free sink block). `starts_sequence`: the first block will hold position
         0, so it comes from the sink region where the pool has one. `num_window_blocks`:
         window parts too (windowed pools; then num_blocks may be 0). `key_size`: a new lease's
-        namespace is key-keyed with keys of this size (radixkv.keyed). `client`: as for
+        namespace is key-keyed with keys of this size (radixkv.service.keyed). `client`: as for
         match_many."""
         windows, sinks = num_window_blocks, int(starts_sequence)
         self._checks.allocate(num_blocks, windows)

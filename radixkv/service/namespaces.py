@@ -1,5 +1,5 @@
 """The service's namespaces by name: created on first use, of the one kind the pool's layout
-chose (or key-keyed, radixkv.keyed, where the first call gives keys), and dropped when they
+chose (or key-keyed, radixkv.service.keyed, where the first call gives keys), and dropped when they
 hold no blocks and no leases (their lifetime counters stay, in `retired`)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import functools
 import itertools
 from collections.abc import Iterable, Iterator
 
-from radixkv.errors import FailedPrecondition, LimitExceeded
 from radixkv.index.policies import PolicyFactory
-from radixkv.keyed import KeyNamespace
-from radixkv.kinds import Counters, Namespace
+from radixkv.protocol.errors import FailedPrecondition, LimitExceeded
+from radixkv.service.keyed import KeyNamespace
+from radixkv.service.kinds import Counters, Namespace
 
 
 class Namespaces:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixkv.errors import InvalidArgument
 from radixkv.index.policies import DEFAULT_POLICY
+from radixkv.protocol.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, replace
 
-from radixkv.cluster.etcd import NO_SECURITY, Etcd, EtcdSecurity, EtcdTarget
-from radixkv.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.protocol.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.rpc.etcd import NO_SECURITY, Etcd, EtcdSecurity, EtcdTarget
 
 log = logging.getLogger("radixkv.cluster")
 

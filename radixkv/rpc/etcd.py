@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from radixkv.errors import InvalidArgument, Unavailable
 from radixkv.etcd import kv_pb2, rpc_pb2, rpc_pb2_grpc
+from radixkv.protocol.errors import InvalidArgument, Unavailable
 
 DEFAULT_CLUSTER = "default"
 

@@ -21,9 +21,9 @@ from google.protobuf.message import Message
 
 from gpu_pool import PoolHandle
 from gpu_pool.layout import KVLayout
-from radixkv.errors import ALL_ERRORS, InvalidArgument, LimitExceeded, RadixKVError
-from radixkv.tokens import ids_from_bytes
-from radixkv.types import LeaseMatch, NodeView, PoolInfo, WindowLeaseMatch
+from radixkv.protocol.errors import ALL_ERRORS, InvalidArgument, LimitExceeded, RadixKVError
+from radixkv.protocol.tokens import ids_from_bytes
+from radixkv.protocol.values import LeaseMatch, NodeView, PoolInfo, WindowLeaseMatch
 from radixkv.v1 import radixkv_pb2 as pb
 
 ERROR_KEY = "radixkv-error"  # trailing metadata: the class name of the error

@@ -1,10 +1,10 @@
 """A listening Unix socket that another local user cannot prepare and a crash does not block.
 
-`claim_socket(path, what)` checks the directory (radixkv.env.check_socket_dir: this user's, not
-writable by group or others), takes an exclusive flock on `PATH.lock` (opened with O_NOFOLLOW, so
-a planted symlink is refused), and unlinks a socket left there: whoever held the lock before is
-gone, so that socket is stale. The server and the router both bind this way; the caller binds
-with umask 0177 (socket 0600) and calls `release_socket` at exit.
+`claim_socket(path, what)` checks the directory (radixkv.protocol.env.check_socket_dir: this user's,
+not writable by group or others), takes an exclusive flock on `PATH.lock` (opened with O_NOFOLLOW,
+so a planted symlink is refused), and unlinks a socket left there: whoever held the lock before is
+gone, so that socket is stale. The server and the router both bind this way; the caller binds with
+umask 0177 (socket 0600) and calls `release_socket` at exit.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from radixkv.env import check_socket_dir
-from radixkv.errors import AlreadyExists, InvalidArgument, PermissionDenied
+from radixkv.protocol.env import check_socket_dir
+from radixkv.protocol.errors import AlreadyExists, InvalidArgument, PermissionDenied
 
 MAX_PATH = 107
 

@@ -1,0 +1,1 @@
+"""What both sides of the wire agree on: values, errors, tokens, limits, the pb codec."""
