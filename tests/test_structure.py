@@ -338,7 +338,6 @@ MAX_PARAMETERS = 7  # beyond that, a dataclass
 CORE = ("radixkv", "service")
 LONG_MODULES: dict[str, int] = {
     "gpu_pool/quant.py": 412,
-    "radixkv/cli/inspector.py": 439,
     "radixkv/client/client.py": 405,
     "radixkv/disk/tier.py": 743,
     "radixkv/index/tree.py": 431,
@@ -365,7 +364,6 @@ WIDE_FUNCTIONS: dict[str, int] = {
     "gpu_pool/host.py:HostBlockPool.__init__": 8,
     "gpu_pool/jit.py:Kernel.__init__": 10,
     "radixkv/cli/commands/events.py:tail_events": 8,
-    "radixkv/cli/inspector.py:tail_events": 8,
     "radixkv/client/client.py:Client.insert": 8,
     "radixkv/client/lease.py:Calls.insert": 8,
     "radixkv/engines/attention.py:attention_forward": 10,
