@@ -1,81 +1,50 @@
 """The service core: one block pool, one radix tree per namespace, leases. No gRPC here.
 
-Every pool block is always in exactly one of four states, and `check_integrity()` proves it:
-
-    free        in the pool's free list
-    leased      allocated to a lease, written by an engine, not yet inserted
-    cached      owned by a namespace's tree (pinned while a lease has it locked)
-    reserved    being read into from the tier below during a Match (no tree points at it yet;
-                the Match puts it in the tree, or frees it if the read fails)
-
-A request's life (each step is one call, each renews the lease's TTL):
-
-    match(ns, tokens)         -> lease L pins the longest cached prefix
-    allocate(L, n)            -> n blocks leased to L (evicting unpinned LRU leaves if short)
-    ...engine writes KV into the blocks through its pool mapping...
-    insert(L, ns, tokens, ids)-> new blocks adopted by the tree, duplicates freed; L pins the path
-    release(L)                -> unpin; leased blocks never inserted are freed
-
-Insert and release take an optional retention hint per item / lease (`session_end`, `keep`:
-radixkv.index.eviction), which the tree gives the request's end node for the policy to use.
-
-A lease not used for its TTL (`lease_ttl_s`, or what Match / Allocate asked for, capped at
-`max_lease_ttl_s`) expires (the server's sweeper calls `expire_leases`): its pins are dropped and
-its leased blocks freed; a later call naming it gets LeaseExpired. `keep_alive` renews leases
-without other work, for an engine whose forward pass outlasts the TTL.
-
-Every call either does all it says or, when it raises, changes nothing: batches (match_many,
-insert_many) are validated whole before the first effect; a failed allocate opens no lease.
-A namespace lives while it holds blocks or leases; an empty one is dropped (its lifetime
-counters stay in the service totals).
-All public methods take one lock: the tree and pool are not thread-safe, and the work per call
-is microseconds, so finer locking would not pay on CPython (a Match's disk reads, and the copies
-of the blocks an Allocate or Match demotes to the disk tier, run off it: `settle`, after the
-locked section, on the same thread, before the call answers).
-
-Its parts: input checks (validation), the lease table (lease_table), the namespaces and their
-kind, full attention or sliding window (namespaces, kinds), making room (reclaim), the tier
-below the pool if any (tiers; the disk tier: radixkv/disk/).
+Every pool block is in exactly one state, and `check_integrity()` proves it: free, leased (to a
+lease, written by an engine, not yet inserted), cached (in a namespace's tree; pinned while a
+lease locks it) or reserved (read into from the tier below during a Match). A request: match
+pins the longest cached prefix in a lease, allocate leases blocks (evicting unpinned leaves),
+the engine writes KV through its pool mapping, insert adopts the new blocks (duplicates freed),
+release unpins. A lease unused for its TTL expires. Every call does all it says or, when it
+raises, nothing. All calls take one lock (SettlingLock); a Match's disk reads and the copies of
+demoted blocks run off it. Its parts: checks, leases, namespaces and kinds, the allocator, the
+tier below the pool, and beside this file the Insert calls (inserts.py) and the read-only ones
+(inspection.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpu_pool.base import BlockPool, PoolHandle
-from radixkv.index.pages import page
 from radixkv.index.policies import policy_factory
-from radixkv.index.results import InsertResult, MatchResult, NodeView
+from radixkv.index.results import MatchResult
 from radixkv.protocol.errors import (
     FailedPrecondition,
-    IntegrityError,
-    InvalidArgument,
     NotFound,
     OutOfBlocks,
 )
-from radixkv.protocol.values import Allocation, DumpPage, LeaseMatch, ServiceStats
+from radixkv.protocol.values import Allocation, LeaseMatch
 from radixkv.service.allocator import Reclaimer
 from radixkv.service.checks import InputChecks, check_namespace, hint_codes
 from radixkv.service.config import ServiceConfig
 from radixkv.service.events import EventLog
+from radixkv.service.inserts import Inserts
+from radixkv.service.inspection import DUMP_PAGE, DUMP_SLICE, MAX_DUMP_PAGE, Inspection
 from radixkv.service.kinds import Namespace, kind_of
 from radixkv.service.leases import Lease, LeaseTable
 from radixkv.service.namespaces import Namespaces
 from radixkv.service.tier import NoTier, SettlingLock
 
-__all__ = ["KVService", "ServiceConfig"]
-
-DUMP_PAGE = 1024  # nodes per DumpTree page by default
-MAX_DUMP_PAGE = 65536  # the most one page may ask for
-DUMP_SLICE = 64  # nodes of a page read per hold of the lock (bench/dump_pages.py)
+__all__ = ["DUMP_PAGE", "DUMP_SLICE", "MAX_DUMP_PAGE", "KVService", "ServiceConfig"]
 
 
-class KVService:
+
+class KVService(Inserts, Inspection):
     def __init__(
         self,
         pool: BlockPool,
@@ -256,63 +225,6 @@ class KVService:
             ids, wids = self._reclaim.take(lease, num_blocks, sinks, windows)
             return Allocation(lease.lease_id, ids, num_evicted, self.pool.epoch, wids)
 
-    def insert(
-        self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int],
-        hint: str | int | None = None, window_ids: Sequence[int] = (), key_size: int = 0,
-    ) -> InsertResult:
-        """Commit `block_ids` (one per full block of `tokens`) into the namespace's tree. Each
-        id must be leased to `lease_id` or be the id the tree already holds at that position.
-        Prefixes already cached are not adopted: those leased blocks return to the free list.
-        `hint`: a retention hint for the node where `tokens` end (RadixTree.hint).
-        `window_ids` (windowed pools): the window parts of the last len(window_ids) blocks,
-        each leased to the lease or the one cached there. `key_size`: `tokens` are block keys
-        of this size, one per block id (a key-keyed namespace)."""
-        return self.insert_many(owner, [(lease_id, namespace, tokens, block_ids)],
-                                hints=[hint], window_ids=[window_ids],
-                                key_sizes=[key_size] if key_size else None)[0][0]
-
-    def insert_many(
-        self, owner: str, items: Sequence[tuple[int, str, bytes, Sequence[int]]],
-        release: Collection[int] = (), hints: Sequence[str | int | None] | None = None,
-        window_ids: Sequence[Sequence[int]] | None = None,
-        key_sizes: Sequence[int] | None = None,
-    ) -> tuple[list[InsertResult], dict[int, int]]:
-        """`insert` for each (lease_id, namespace, tokens, block_ids), all or nothing: every
-        item is checked against the state before the first one is applied, and a block id may
-        be claimed by one item only. Then the leases in `release` (ids of these items) end as
-        `release` ends them. `hints`: None or one retention hint per item; `window_ids`: None
-        or each item's window parts (`insert`); `key_sizes`: None or each item's key size (0:
-        tokens). Returns the results and {released lease id: blocks freed}."""
-        codes = hint_codes(hints, len(items))
-        wins: Sequence[Sequence[int]] = window_ids or [()] * len(items)
-        if len(wins) != len(items):
-            raise InvalidArgument(f"{len(wins)} window-part lists for {len(items)} items")
-        sizes = self._key_sizes(key_sizes, len(items))
-        for (_, namespace, tokens, block_ids), w, key_size in zip(items, wins, sizes,
-                                                                 strict=True):
-            self._checks.insert(namespace, tokens, block_ids, w, key_size)
-        with self._lock:
-            leases = [self._leases.get(owner, lease_id) for lease_id, *_ in items]
-            self._namespaces.check_kinds(
-                (lease.namespace, size) for lease, size in zip(leases, sizes, strict=True))
-            claimed: set[int] = set()
-            for lease, (_, namespace, tokens, block_ids), w in zip(leases, items, wins,
-                                                                  strict=True):
-                self._leases.check_namespace(lease, namespace)
-                self._namespaces[namespace].check_claims(lease, tokens, block_ids, w, claimed,
-                                                         self._leases.claim)
-            if not {lease.lease_id for lease in leases}.issuperset(release):
-                raise InvalidArgument("an insert can only release the leases of its items")
-            ending = set(release)
-            results = [self._apply_insert(lease, tokens, block_ids,
-                                          pin=lease.lease_id not in ending, hint=code,
-                                          window_ids=w)
-                       for lease, (_, _, tokens, block_ids), code, w
-                       in zip(leases, items, codes, wins, strict=True)]
-            freed = {lid: self._leases.end(self._leases.find(lid))
-                     for lid in dict.fromkeys(release)}
-            return results, freed
-
     def keep_alive(self, owner: str, lease_ids: Sequence[int],
                    ttl_s: float | None = None) -> float:
         """Renew leases (each for `ttl_s`, else its own TTL) without other work. All are
@@ -369,110 +281,6 @@ class KVService:
         with self._lock:
             return self._leases.expire()
 
-    # ---- inspection --------------------------------------------------------------------------
-
-    def stats(self) -> ServiceStats:
-        with self._lock:
-            spaces = tuple(ns.stats() for ns in sorted(self._namespaces, key=lambda n: n.name))
-            life = self._namespaces.lifetime()  # namespaces dropped earlier still count
-            pool = self.pool
-            return ServiceStats(
-                **dataclasses.asdict(life),
-                backend=pool.backend, epoch=pool.epoch, layout=pool.layout,
-                event_sequence=self.events.last_sequence,
-                num_blocks=pool.num_full_blocks,
-                free_blocks=pool.num_free,
-                leased_blocks=self._leases.leased_blocks(),
-                cached_blocks=sum(ns.tree.num_cached_blocks for ns in self._namespaces),
-                pinned_blocks=sum(ns.tree.num_locked_blocks for ns in self._namespaces),
-                live_leases=len(self._leases),
-                expired_leases=self._leases.num_expired,
-                recent_requests=len(self._recent),
-                recent_query_tokens=sum(q for q, _ in self._recent),
-                recent_hit_tokens=sum(h for _, h in self._recent),
-                uptime_s=self._clock() - self._started,
-                namespaces=spaces,
-                window_blocks=pool.num_window_blocks,
-                free_window_blocks=pool.num_free_window,
-                cached_window_blocks=sum(ns.num_window_blocks for ns in self._namespaces),
-                disk=self._tier.stats(),
-            )
-
-    def dump_tree(self, namespace: str, max_depth: int = 0) -> tuple[list[NodeView], int]:
-        """A snapshot of one namespace's tree (DFS pre-order, at most `max_depth` edges deep
-        when > 0) and the last event sequence number it reflects."""
-        with self._lock:
-            if namespace not in self._namespaces:
-                raise NotFound(f"namespace {namespace!r} does not exist (known: "
-                               f"{', '.join(self._namespaces.names()) or 'none'})")
-            return self._namespaces[namespace].nodes(max_depth), self.events.last_sequence
-
-    def dump_page(self, namespace: str, cursor: bytes = b"", page_size: int = DUMP_PAGE,
-                  max_depth: int = 0) -> DumpPage:
-        """Up to `page_size` nodes of the tree after `cursor` (b"": from the start; else a
-        previous page's next_cursor), each with its blocks' chained hashes. The page is read
-        in slices of DUMP_SLICE nodes, the lock let go between them, so a page, like pages,
-        may come from different moments (index/pages.py); its sequence number is the first
-        slice's. A namespace dropped after the first slice ends the page there."""
-        if not 1 <= page_size <= MAX_DUMP_PAGE:
-            raise InvalidArgument(f"page_size {page_size}: 1 to {MAX_DUMP_PAGE} nodes")
-        out: list[NodeView] = []
-        sequence = None
-        while True:
-            with self._lock:
-                ns = self._namespaces.get(namespace)
-                if ns is None:
-                    if sequence is not None:  # dropped meanwhile: nothing after the cursor
-                        return DumpPage(tuple(out), sequence, b"")
-                    raise NotFound(f"namespace {namespace!r} does not exist (known: "
-                                   f"{', '.join(self._namespaces.names()) or 'none'})")
-                unit, what = ns.cursor_unit
-                if len(cursor) % unit:
-                    raise InvalidArgument(f"cursor of {len(cursor)} bytes is not a path of "
-                                          f"whole {what}: pass a next_cursor back")
-                if sequence is None:
-                    sequence = self.events.last_sequence
-                nodes, cursor = page(ns.tree.root, self.block_size, cursor,
-                                     min(DUMP_SLICE, page_size - len(out)), max_depth,
-                                     self.events.block_hashes(namespace))
-                out += ns.shown(nodes)
-            if not cursor or len(out) == page_size:
-                return DumpPage(tuple(out), sequence, cursor)
-            time.sleep(0)  # a call waiting for the lock gets it (and the GIL) before the next slice
-
-    def key_size(self, namespace: str) -> int:
-        """The key size of a key-keyed namespace; 0 for a token-keyed or unknown one."""
-        with self._lock:
-            ns = self._namespaces.get(namespace)
-            return ns.key_size if ns is not None else 0
-
-    def namespaces(self) -> list[str]:
-        with self._lock:
-            return self._namespaces.names()
-
-    def check_integrity(self) -> None:
-        """free + leased + cached == total, and each part's own invariants; IntegrityError
-        naming the first that fails (real checks: they hold under `python -O` too)."""
-        with self._lock:
-            self.pool.check_integrity()
-            for ns in self._namespaces:
-                ns.tree.check_integrity()
-            leased, by_ns = self._leases.check_integrity()
-            cached = sum(ns.tree.num_cached_blocks + ns.num_window_blocks  # ids of one pool
-                         for ns in self._namespaces)
-            free = self.pool.num_free + self.pool.num_free_window
-            reserved = self._tier.reserved_blocks  # being read into from the tier below
-            total = free + leased + cached + reserved
-            if total != self.pool.num_blocks:
-                raise IntegrityError(
-                    f"free {free} + leased {leased} + cached {cached} + reserved {reserved} "
-                    f"= {total} != {self.pool.num_blocks} blocks")
-            if any(by_ns[ns.name] != ns.num_leases for ns in self._namespaces):
-                raise IntegrityError("per-client or per-namespace lease counts are off")
-            if any(name not in self._namespaces for name in by_ns):
-                raise IntegrityError("a live lease names a namespace that was dropped")
-            self._tier.check_integrity(sum(ns.tree.num_cached_blocks for ns in self._namespaces))
-
     def close_tier(self, write_down: bool) -> None:
         """Stop the tier below the pool (with `write_down`, after writing the pool's cached
         blocks to it: a clean stop); the service takes no more calls after this."""
@@ -498,26 +306,6 @@ class KVService:
             self.pool.free(freed)
         self._namespaces.drop_if_empty(ns)
         return len(freed)
-
-    def _apply_insert(self, lease: Lease, tokens: bytes, block_ids: Sequence[int],
-                      pin: bool, hint: int, window_ids: Sequence[int]) -> InsertResult:
-        ns = self._namespaces[lease.namespace]
-        self._leases.touch(lease)
-        result = ns.insert(lease, tokens, block_ids, hint, window_ids, pin)
-        if ns.tiered:
-            self._tier.inserted(ns.name, tokens, block_ids, result)
-        if result.duplicates:
-            self.pool.free(list(result.duplicates))
-        self.events.publish(ns.name, ns.tree.take_events(), ns.key_size)
-        return result
-
-    @staticmethod
-    def _key_sizes(key_sizes: Sequence[int] | None, count: int) -> Sequence[int]:
-        if key_sizes is None:
-            return [0] * count
-        if len(key_sizes) != count:
-            raise InvalidArgument(f"{len(key_sizes)} key sizes for {count} items")
-        return key_sizes
 
 def _client_key(owner: str, client: str | None) -> str:
     """What the lease limits count a client's leases under."""
