@@ -14,7 +14,7 @@ from radixkv.client import Client
 from radixkv.cluster.follower import snapshot_hashes
 from radixkv.protocol import errors
 from radixkv.service.events import chain_hashes
-from radixkv.service.service import DUMP_SLICE
+from radixkv.service.inspection import DUMP_SLICE
 
 NS = "chat@rev1"
 B = BLOCK_SIZE

@@ -26,8 +26,9 @@ from radixkv.protocol.errors import (
 from radixkv.protocol.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.protocol.wire import layout_pb, pool_info_pb, tree_node_pb
 from radixkv.rpc.handlers import RpcObserver, abort, rpc
+from radixkv.service import KVService
 from radixkv.service.events import KVEvent
-from radixkv.service.service import DUMP_PAGE, KVService
+from radixkv.service.inspection import DUMP_PAGE
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 

@@ -34,13 +34,13 @@ from radixkv.service.checks import InputChecks, check_namespace, hint_codes
 from radixkv.service.config import ServiceConfig
 from radixkv.service.events import EventLog
 from radixkv.service.inserts import Inserts
-from radixkv.service.inspection import DUMP_PAGE, DUMP_SLICE, MAX_DUMP_PAGE, Inspection
+from radixkv.service.inspection import Inspection
 from radixkv.service.kinds import Namespace, kind_of
 from radixkv.service.leases import Lease, LeaseTable
 from radixkv.service.namespaces import Namespaces
 from radixkv.service.tier import NoTier, SettlingLock
 
-__all__ = ["DUMP_PAGE", "DUMP_SLICE", "MAX_DUMP_PAGE", "KVService", "ServiceConfig"]
+__all__ = ["KVService", "ServiceConfig"]
 
 
 
