@@ -26,7 +26,7 @@ from _server import REPO, tiny_config_path
 from gpu_pool import create_pool
 from gpu_pool.layout import KVLayout
 from radixkv.client import Client
-from radixkv.disk import tier as tier_module
+from radixkv.disk import writer as writer_module
 from radixkv.disk.claim import LOCK_NAME
 from radixkv.disk.slots import FILE_NAME
 from radixkv.disk.tier import DiskTier
@@ -206,7 +206,7 @@ def test_a_write_error_is_retried_and_reported_and_warm_restart_still_works(
     svc, pool, tier = open_service(str(tmp_path))
     monkeypatch.setattr(os, "pwritev", flaky(os.pwritev))  # slots
     monkeypatch.setattr(os, "pwrite", flaky(os.pwrite))  # tombstones
-    monkeypatch.setattr(tier_module, "SYNC_FAILING_S", 0.2)
+    monkeypatch.setattr(writer_module, "SYNC_FAILING_S", 0.2)
     try:
         store_and_demote(svc, pool, "ns", a)  # its first write fails, the retry succeeds
         queued.set()

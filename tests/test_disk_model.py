@@ -27,8 +27,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gpu_pool import create_pool
 from gpu_pool.layout import KVLayout
+from radixkv.disk.promotion import Promotion
 from radixkv.disk.slots import FILE_NAME, ZERO_HASH, chain_hash
-from radixkv.disk.tier import DiskTier, Promotion
+from radixkv.disk.tier import DiskTier
 from radixkv.protocol import errors
 from radixkv.service import KVService, ServiceConfig
 

@@ -339,7 +339,6 @@ CORE = ("radixkv", "service")
 LONG_MODULES: dict[str, int] = {
     "gpu_pool/quant.py": 412,
     "radixkv/client/client.py": 405,
-    "radixkv/disk/tier.py": 743,
     "radixkv/index/tree.py": 431,
     "radixkv/replay/report.py": 401,
     "radixkv/service/kinds.py": 352,

@@ -291,3 +291,15 @@ class SlotFile:
         if self._lock >= 0:  # last: the directory is free once the file is closed
             os.close(self._lock)
             self._lock = -1
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """What the tier knows of a pool block: enough to write its slot."""
+
+    namespace: str
+    hash: bytes
+    parent: bytes
+    position: int
+    tokens: bytes
+    sink: bool  # its bytes are in the sink format (a promoted block: its slot's format)
