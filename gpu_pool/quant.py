@@ -15,23 +15,11 @@ int8 is symmetric absmax: q = round(x / max|x| x 127). int4 is asymmetric: q = r
 the high one (halves, not neighbours: unpacking then writes two contiguous runs, which torch's
 CPU kernels do much faster than every-other-element ones).
 
-A *sink block* (ids from the pool's sink region, which the service gives the block at position 0
-of every sequence) is a quantized block followed by a `sink` segment: its first `sink_tokens`
-tokens [layers, 2, sink_tokens, kv_heads, head_dim] in the model dtype, bit-exact. Those tokens
-are zero in the quantized part, so they do not widen the per-channel key ranges.
-
-On the CPU, `gather` and `scatter` run the fused kernel of gpu_pool/quant_kernel.cpp (loops over
-blocks x layers, byte for byte these ops' results); the torch ops below are its reference and
-the path everywhere else (CUDA, RADIXKV_NO_KERNEL=1, no compiler). There, `gather` reads whole
-block rows with one index_select per region, then dequantizes all blocks in one batch of tensor
-ops; `scatter` quantizes in one batch and writes rows with one index_copy_ per region. Nothing
-loops over blocks in Python.
-
-A zero scale or minimum is stored as +0: the sign a reduction gives an all-zero group depends on
-where the group falls in torch's vector loops, and the bytes must not. A write whose scale or
-minimum would not fit fp16 (finite K/V beyond about 8.3e6 for int8, +-65504 or a range of about
-9.8e5 for int4) is refused like NaN/Inf, before anything is written: fp16 would store Inf and
-the block would read back as NaN/Inf.
+A *sink block* (the block at position 0 of every sequence) is a quantized block followed by a
+`sink` segment: its first `sink_tokens` tokens [layers, 2, sink_tokens, kv_heads, head_dim] in
+the model dtype, bit-exact (zero in the quantized part, so they widen no key range). The fused
+CPU kernel (quant_kernel.cpp; these ops are its reference and the path everywhere else), zeros
+stored as +0, and the values fp16 scales cannot hold (refused): docs/quantization.md.
 """
 
 from __future__ import annotations

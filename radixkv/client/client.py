@@ -30,7 +30,7 @@ from radixkv.client.lease import Lease
 from radixkv.protocol import errors
 from radixkv.protocol.env import check_socket_dir, client_tls_ca, client_token, normalize_target
 from radixkv.protocol.errors import InvalidArgument, RadixKVError
-from radixkv.protocol.tokens import ids_from_bytes, to_token_bytes
+from radixkv.protocol.tokens import ids_from_bytes, key_bytes, to_token_bytes
 from radixkv.protocol.values import (
     Allocation,
     DumpPage,
@@ -391,15 +391,3 @@ class Client:
             raise to_error(e) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
-
-def key_bytes(keys: Sequence[bytes]) -> tuple[bytes, int]:
-    """Block keys as the wire carries them: concatenated, and the size of one; InvalidArgument
-    for none or keys of different sizes (the service checks the size itself)."""
-    if not keys:
-        raise InvalidArgument("empty key list")
-    size = len(keys[0])
-    for i, k in enumerate(keys):
-        if len(k) != size:
-            raise InvalidArgument(f"key {i} is {len(k)} bytes, key 0 is {size}: one key size "
-                                  "per sequence")
-    return b"".join(keys), size

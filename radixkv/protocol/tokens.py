@@ -101,3 +101,15 @@ def ids_to_bytes(ids: Sequence[int]) -> bytes:
         packed.byteswap()
     return packed.tobytes()
 
+
+def key_bytes(keys: Sequence[bytes]) -> tuple[bytes, int]:
+    """Block keys as the wire carries them: concatenated, and the size of one; InvalidArgument
+    for none or keys of different sizes (the service checks the size itself)."""
+    if not keys:
+        raise InvalidArgument("empty key list")
+    size = len(keys[0])
+    for i, k in enumerate(keys):
+        if len(k) != size:
+            raise InvalidArgument(f"key {i} is {len(k)} bytes, key 0 is {size}: one key size "
+                                  "per sequence")
+    return b"".join(keys), size

@@ -1,27 +1,15 @@
 """The two kinds of namespace, behind one contract: full attention and sliding window.
 
 A namespace is one radix tree of token prefixes, its lifetime counters and its live lease
-count. What differs between a full-attention pool and a sliding-window one (each block has a
-full part and, on windowed pools, a window part that only the last window_blocks blocks of a
+count. What differs between a full-attention pool and a sliding-window one (on windowed pools
+each block has a full part and a window part that only the last window_blocks blocks of a
 resume need) lives here, in `Namespace` and its subclass `WindowNamespace`, as the index has
-`RadixTree` and `WindowedRadixTree`:
-
-    match         the tree's longest resumable prefix, pinned, and the Match answer from it
-    plan_store    which blocks of a stored range get window parts (none: full attention)
-    check_claims  each id an Insert names is the lease's own or the one cached there
-    insert        into the tree
-    evict         whole leaves' tails, and the events and block count that says
-    evict_windows window parts alone (none: full attention)
-    count         window parts cached (0: full attention)
-    end_lease     a lease's pins dropped (and its retention hint given)
-    stats, nodes  the figures and a snapshot of the tree
-    add_result    a Match answer onto the wire
-    span          the tokens a query's data stands for
-    blocks_to_store  the blocks a Match that stores (store_tokens) covers
-
-The service picks the kind once, from the pool's layout (`kind_of`), and never asks which one
-it has. A third kind, key-keyed (radixkv.service.keyed), names blocks by opaque keys instead of
-tokens: `Namespaces.open` makes one where a call gives keys.
+`RadixTree` and `WindowedRadixTree`: match, plan_store, check_claims, insert, evict,
+evict_windows, count, end_lease, stats, nodes, add_result, span, blocks_to_store (each
+method's docstring says what it does). The service picks the kind once, from the pool's layout
+(`kind_of`), and never asks which one it has. A third kind, key-keyed (radixkv.service.keyed),
+names blocks by opaque keys instead of tokens: `Namespaces.open` makes one where a call gives
+keys.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from typing import Any
 from radixkv.cli.flags import QUANTIZED_KV_DTYPES, add_policy_flag, add_sink_fraction_flag
 from radixkv.protocol.errors import InvalidArgument
 from radixkv.replay.cluster import ReplayWindow
-from radixkv.replay.report import render_report, write_plots
+from radixkv.replay.plots import write_plots
+from radixkv.replay.report import render_report
 from radixkv.replay.routing import POLICIES as ROUTING_POLICIES
 from radixkv.replay.runner import DEFAULT_PREFILL_TOKENS_PER_S, MOONCAKE_BLOCK_SIZE, run_replay
 from radixkv.replay.workload import Request, generate_synthetic
