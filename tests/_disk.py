@@ -4,6 +4,7 @@ read back by another process."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -73,3 +74,26 @@ def read_in_other_process(sock: str, ns: str, prompts: list[list[int]]) -> list[
     assert out.returncode == 0, out.stderr
     hits: list[int] = json.loads(out.stdout)
     return hits
+
+
+# ---- in process: a KVService over a disk tier, prompts of whole blocks ------------------------
+
+def tokens_of(prompt: tuple[int, ...]) -> bytes:
+    """A prompt of one id per block, as BS tokens each."""
+    return np.asarray([s * 10 + t for s in prompt for t in range(BS)], "<u4").tobytes()
+
+
+def kv_of(prefix: tuple[int, ...]) -> np.ndarray:
+    """The 128 bytes of the block that ends `prefix` (a function of the whole prefix)."""
+    return np.frombuffer(hashlib.sha256(repr(prefix).encode()).digest() * 4, np.uint8)
+
+
+def hits(svc: Any, pool: Any, ns: str, prompt: tuple[int, ...]) -> int:
+    """The blocks a Match of `prompt` hits, each checked byte for byte."""
+    m = svc.match("e", ns, tokens_of(prompt))
+    try:
+        for j, b in enumerate(m.block_ids):
+            assert np.array_equal(pool.block_bytes(b), kv_of(prompt[:j + 1])), (prompt, j)
+        return len(m.block_ids)
+    finally:
+        svc.release("e", [m.lease_id])

@@ -6,29 +6,24 @@ made is never written."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import pytest
+from _disk import BS, hits, kv_of, tokens_of
 
 from gpu_pool import create_pool
 from gpu_pool.layout import KVLayout
 from radixkv.disk.tier import DiskTier
 from radixkv.service import KVService, ServiceConfig
 
-BS, POOL = 4, 8  # 4-token blocks of 128 bytes, an 8-block pool
+POOL = 8  # 4-token blocks of 128 bytes, an 8-block pool
 
 
-def tokens_of(prompt: tuple[int, ...]) -> bytes:
-    return np.asarray([s * 10 + t for s in prompt for t in range(BS)], "<u4").tobytes()
 
 
-def kv_of(prefix: tuple[int, ...]) -> np.ndarray:
-    return np.frombuffer(hashlib.sha256(repr(prefix).encode()).digest() * 4, np.uint8)
 
 
 class Services:
@@ -72,15 +67,6 @@ def store(svc: KVService, pool: Any, ns: str, prompt: tuple[int, ...],
     return r.lease_id
 
 
-def hits(svc: KVService, pool: Any, ns: str, prompt: tuple[int, ...]) -> int:
-    """The blocks a Match of `prompt` hits, each checked byte for byte."""
-    m = svc.match("e", ns, tokens_of(prompt))
-    try:
-        for j, b in enumerate(m.block_ids):
-            assert np.array_equal(pool.block_bytes(b), kv_of(prompt[:j + 1])), (prompt, j)
-        return len(m.block_ids)
-    finally:
-        svc.release("e", [m.lease_id])
 
 
 class CopyGate:

@@ -7,7 +7,6 @@ file's writes gated or failed by a patched os.pwritev / os.pwrite)."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import subprocess
@@ -17,9 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
-from _disk import BS, put, read_in_other_process
+from _disk import BS, hits, kv_of, put, read_in_other_process, tokens_of
 from _disk import prompt as p
 from _server import REPO, tiny_config_path
 
@@ -108,12 +106,8 @@ def test_a_second_server_on_one_disk_dir_exits_2_naming_the_first(workdir):
 
 # ---- in process: the slot file's writes gated or failed ----------------------------------------
 
-def tokens_of(prompt: tuple[int, ...]) -> bytes:
-    return np.asarray([s * 10 + t for s in prompt for t in range(BS)], "<u4").tobytes()
 
 
-def kv_of(prefix: tuple[int, ...]) -> np.ndarray:
-    return np.frombuffer(hashlib.sha256(repr(prefix).encode()).digest() * 4, np.uint8)
 
 
 def open_service(directory: str) -> tuple[KVService, Any, DiskTier]:
@@ -133,15 +127,6 @@ def store_and_demote(svc: KVService, pool: Any, ns: str, prompt: tuple[int, ...]
     svc.release("e", [hog.lease_id])
 
 
-def hits(svc: KVService, pool: Any, ns: str, prompt: tuple[int, ...]) -> int:
-    """The blocks a Match of `prompt` hits, each checked byte for byte."""
-    m = svc.match("e", ns, tokens_of(prompt))
-    try:
-        for j, b in enumerate(m.block_ids):
-            assert np.array_equal(pool.block_bytes(b), kv_of(prompt[:j + 1])), (prompt, j)
-        return len(m.block_ids)
-    finally:
-        svc.release("e", [m.lease_id])
 
 
 def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
