@@ -26,7 +26,7 @@ from radixkv.disk.writer import SlotWriter
 from radixkv.index.results import InsertResult
 from radixkv.protocol.errors import OutOfBlocks
 from radixkv.service.kinds import Namespace
-from radixkv.service.tier import MakeRoom, Publish
+from radixkv.service.tier import MakeRoom
 
 RUN_SLOTS = 4  # adjacent slots read by one os.preadv at most (4 MiB of 1 MiB blocks)
 
@@ -186,10 +186,10 @@ class Promotions:
         return self._checkers.submit(self.file.check_run, heads, got,
                                      [plan.taken[i].meta for i in run], outs)
 
-    def apply(self, ns: Namespace, plan: Promotion, publish: Publish) -> int:
+    def apply(self, ns: Namespace, plan: Promotion) -> int:
         """Under the service lock again: the verified blocks, already in their reserved pool
         blocks, into the tree (the rest freed), before the Match reads the tree. Returns the
-        blocks promoted."""
+        blocks promoted (the caller publishes the tree's events)."""
         good, ids = plan.good, plan.ids
         self._counts["verify_failures"] += plan.failed
         gone = good + plan.failed  # the promoted ones, and the one that failed its check
@@ -207,7 +207,7 @@ class Promotions:
             if not good:
                 return 0
             return self._adopt(ns, plan.tokens[:(plan.cached + good) * self._bb], ids[:good],
-                               [e.meta.sink for e in plan.taken[:good]], publish)
+                               [e.meta.sink for e in plan.taken[:good]])
         finally:
             plan.views.clear()
             if plan.ns is not None:
@@ -275,8 +275,8 @@ class Promotions:
             if self.index.is_free(entry.slot):
                 self.writer.enqueue(entry.slot, None)
 
-    def _adopt(self, ns: Namespace, tokens: bytes, ids: Sequence[int], sinks: Sequence[bool],
-               publish: Publish) -> int:
+    def _adopt(self, ns: Namespace, tokens: bytes, ids: Sequence[int],
+               sinks: Sequence[bool]) -> int:
         """Promoted blocks `ids` (holding their KV, in the format `sinks` says) for the last
         len(ids) blocks of `tokens` into the tree. An engine may have inserted some of them
         meanwhile: those are duplicates, freed."""
@@ -286,7 +286,6 @@ class Promotions:
         result = ns.tree.insert(tokens, given)
         if result.duplicates:
             self.pool.free(list(result.duplicates))
-        publish(ns.name)
         self.inserted(ns.name, tokens, given, result)
         for b, sink in zip(ids, sinks, strict=True):  # what its bytes are: the slot's format
             key = self._mem.get(b)

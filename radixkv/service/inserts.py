@@ -4,7 +4,7 @@ the state."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from gpu_pool.base import BlockPool
 from radixkv.index.results import InsertResult
@@ -26,6 +26,8 @@ class Inserts:
     _namespaces: Namespaces
     _leases: LeaseTable
     _tier: NoTier
+    _end_lease: Callable[..., int]
+    _get_lease: Callable[[str, int], Lease]
 
     def insert(
         self, owner: str, lease_id: int, namespace: str, tokens: bytes, block_ids: Sequence[int],
@@ -63,15 +65,16 @@ class Inserts:
                                                                  strict=True):
             self._checks.insert(namespace, tokens, block_ids, w, key_size)
         with self._lock:
-            leases = [self._leases.get(owner, lease_id) for lease_id, *_ in items]
+            leases = [self._get_lease(owner, lease_id) for lease_id, *_ in items]
             self._namespaces.check_kinds(
                 (lease.namespace, size) for lease, size in zip(leases, sizes, strict=True))
             claimed: set[int] = set()
             for lease, (_, namespace, tokens, block_ids), w in zip(leases, items, wins,
                                                                   strict=True):
                 self._leases.check_namespace(lease, namespace)
-                self._namespaces[namespace].check_claims(lease, tokens, block_ids, w, claimed,
-                                                         self._leases.claim)
+                for b, what in self._namespaces[namespace].check_claims(lease, tokens, block_ids,
+                                                                        w, claimed):
+                    self._leases.claim(lease, b, claimed, what, self.pool.is_free(b))
             if not {lease.lease_id for lease in leases}.issuperset(release):
                 raise InvalidArgument("an insert can only release the leases of its items")
             ending = set(release)
@@ -80,7 +83,7 @@ class Inserts:
                                           window_ids=w)
                        for lease, (_, _, tokens, block_ids), code, w
                        in zip(leases, items, codes, wins, strict=True)]
-            freed = {lid: self._leases.end(self._leases.find(lid))
+            freed = {lid: self._end_lease(self._leases.find(lid))
                      for lid in dict.fromkeys(release)}
             return results, freed
 

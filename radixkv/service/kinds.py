@@ -31,8 +31,6 @@ from radixkv.protocol.tokens import block_bytes, ids_to_bytes, num_tokens
 from radixkv.protocol.values import LeaseMatch, NamespaceStats, WindowLeaseMatch
 from radixkv.service.leases import Lease
 
-Claim = Callable[[Lease, int, set[int], str], None]  # LeaseTable.claim: one id for an Insert
-
 
 @dataclass(slots=True)
 class Counters:
@@ -120,18 +118,19 @@ class Namespace:
     # ---- check claims, insert ----------------------------------------------------------------
 
     def check_claims(self, lease: Lease, tokens: bytes, block_ids: Sequence[int],
-                     window_ids: Sequence[int], claimed: set[int], claim: Claim) -> None:
-        """Each id is the lease's own (and not claimed by an earlier item of the batch) or the
-        id the tree already caches at that position (`claim` raises the precise error)."""
+                     window_ids: Sequence[int], claimed: set[int]) -> list[tuple[int, str]]:
+        """Each id must be the lease's own (not claimed by an earlier item of the batch) or the
+        id the tree already caches at that position. The common case (all are) is claimed
+        here; else the ids not cached at their position, in order, with what each is ("block",
+        "window part"), for the lease table to claim one by one (LeaseTable.claim)."""
         cached = self.tree.match(tokens).block_ids
         rest = block_ids[len(cached):]
         if (tuple(block_ids[:len(cached)]) == cached and claimed.isdisjoint(rest)
                 and lease.owned.keys() >= set(rest)):  # the common case, in C
             claimed.update(rest)
-            return
-        for i, b in enumerate(block_ids):
-            if not (i < len(cached) and cached[i] == b):
-                claim(lease, b, claimed, "block")
+            return []
+        return [(b, "block") for i, b in enumerate(block_ids)
+                if not (i < len(cached) and cached[i] == b)]
 
     def insert(self, lease: Lease, tokens: bytes, block_ids: Sequence[int], hint: int,
                window_ids: Sequence[int], pin: bool) -> InsertResult:
@@ -305,17 +304,16 @@ class WindowNamespace(Namespace):
                                    new_window_ids=wids)
 
     def check_claims(self, lease: Lease, tokens: bytes, block_ids: Sequence[int],
-                     window_ids: Sequence[int], claimed: set[int], claim: Claim) -> None:
-        """The full parts as on full attention; then each window part is the lease's own
+                     window_ids: Sequence[int], claimed: set[int]) -> list[tuple[int, str]]:
+        """The full parts as on full attention; then each window part must be the lease's own
         (unclaimed) or the one cached at its block."""
-        super().check_claims(lease, tokens, block_ids, window_ids, claimed, claim)
+        out = super().check_claims(lease, tokens, block_ids, window_ids, claimed)
         if not window_ids:
-            return
+            return out
         cached = self.wtree.window_parts(tokens)
         first = len(cached) - len(window_ids)
-        for i, w in enumerate(window_ids, first):
-            if w != HOLE and cached[i] != w:
-                claim(lease, w, claimed, "window part")
+        return out + [(w, "window part") for i, w in enumerate(window_ids, first)
+                      if w != HOLE and cached[i] != w]
 
     def _tree_insert(self, tokens: bytes, block_ids: Sequence[int], hint: int,
                      window_ids: Sequence[int]) -> InsertResult:

@@ -20,7 +20,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
-from radixkv.index.hints import NO_HINT
 from radixkv.protocol.errors import (
     AlreadyExists,
     IntegrityError,
@@ -52,20 +51,16 @@ class Lease:
 
 class LeaseTable:
     """Live leases by id, counted per client (and per client and namespace), and the claims
-    of ids an Insert names.
-    `release(lease, hint)` undoes what a lease holds (pins, blocks) and returns the blocks it
-    freed; the table calls it when a lease ends."""
+    of ids an Insert names. It calls nothing back: what a lease holds (pins, blocks) the
+    service undoes before `end` drops the record."""
 
-    def __init__(self, clock: Callable[[], float], config: ServiceConfig,
-                 is_free: Callable[[int], bool], release: Callable[[Lease, int], int]) -> None:
+    def __init__(self, clock: Callable[[], float], config: ServiceConfig) -> None:
         self._clock = clock
         self._default_ttl_s = config.lease_ttl_s  # for the message of an expired lease
         self._max = config.max_leases
         self._max_per_client = config.max_leases_per_client
         self._max_namespaces = config.max_namespaces
         self._namespaces_per_client = config.namespaces_per_client
-        self._is_free = is_free  # the pool's: is this block id free?
-        self._release = release
         self._leases: dict[int, Lease] = {}
         self._of_client: dict[str, Counter[str]] = {}  # client -> namespace -> live leases
         self._expired: OrderedDict[int, None] = OrderedDict()
@@ -106,12 +101,9 @@ class LeaseTable:
 
     def get(self, owner: str, lease_id: int) -> Lease:
         """The live lease `lease_id` of `owner` (not renewed: callers `touch` it once their
-        checks passed). One past its TTL ends here; LeaseExpired, NotFound or
-        PermissionDenied otherwise."""
+        checks passed; one past its TTL the caller ended first: `overdue`); LeaseExpired,
+        NotFound or PermissionDenied otherwise."""
         lease = self._leases.get(lease_id)
-        if lease is not None and lease.expires_at <= self._clock():
-            self.end(lease, expired=True)
-            lease = None
         if lease is None:
             if lease_id in self._expired:
                 raise LeaseExpired(f"lease {lease_id} expired (ttl {self._default_ttl_s:g} s);"
@@ -120,6 +112,11 @@ class LeaseTable:
         if lease.owner != owner:
             raise PermissionDenied(f"lease {lease_id} belongs to another client")
         return lease
+
+    def overdue(self, lease_id: int) -> Lease | None:
+        """Lease `lease_id` if it is past its TTL and not yet ended (the caller ends it)."""
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and lease.expires_at <= self._clock() else None
 
     @staticmethod
     def check_namespace(lease: Lease, namespace: str) -> None:
@@ -135,9 +132,10 @@ class LeaseTable:
     def touch(self, lease: Lease) -> None:
         lease.expires_at = self._clock() + lease.ttl_s
 
-    def claim(self, lease: Lease, b: int, claimed: set[int], what: str) -> None:
+    def claim(self, lease: Lease, b: int, claimed: set[int], what: str, free: bool) -> None:
         """Claim id `b` (a "block" or "window part") for an insert: the lease's own, not yet
-        claimed by another item; else the precise error (O(live leases): the error path)."""
+        claimed by another item; else the precise error (O(live leases): the error path;
+        `free`: the pool has `b` free)."""
         if b in claimed:
             raise InvalidArgument(f"{what} {b} is claimed by two items of one insert")
         if b in lease.owned:
@@ -145,7 +143,7 @@ class LeaseTable:
             return
         if any(b in other.owned for other in self._leases.values()):
             raise PermissionDenied(f"{what} {b} is leased to another lease, not {lease.lease_id}")
-        if self._is_free(b):
+        if free:
             raise PermissionDenied(f"{what} {b} is not allocated to lease {lease.lease_id}")
         raise AlreadyExists(f"{what} {b} is already cached "
                             + ("under another prefix" if what == "block" else "at another block"))
@@ -155,9 +153,8 @@ class LeaseTable:
         O(live leases))."""
         return sum(len(lease.owned) for lease in self._leases.values())
 
-    def end(self, lease: Lease, expired: bool = False, hint: int = NO_HINT) -> int:
-        """End a lease: its pins and blocks go (the table's `release`); returns blocks freed."""
-        freed = self._release(lease, hint)
+    def end(self, lease: Lease, expired: bool = False) -> None:
+        """The lease's record goes (the caller first drops its pins and frees its blocks)."""
         del self._leases[lease.lease_id]
         spaces = self._of_client[lease.client]
         spaces[lease.namespace] -= 1
@@ -170,15 +167,11 @@ class LeaseTable:
             self._expired[lease.lease_id] = None
             if len(self._expired) > EXPIRED_MEMORY:
                 self._expired.popitem(last=False)
-        return freed
 
-    def expire(self) -> int:
-        """End every lease past its TTL. Returns how many ended."""
+    def stale(self) -> list[Lease]:
+        """The leases past their TTL (the caller ends them)."""
         now = self._clock()
-        stale = [lease for lease in self._leases.values() if lease.expires_at <= now]
-        for lease in stale:
-            self.end(lease, expired=True)
-        return len(stale)
+        return [lease for lease in self._leases.values() if lease.expires_at <= now]
 
     def check_integrity(self) -> tuple[int, Counter[str]]:
         """No block leased twice and the per-owner counts right; returns the leased blocks and

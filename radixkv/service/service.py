@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpu_pool.base import BlockPool, PoolHandle
+from radixkv.index.hints import NO_HINT
 from radixkv.index.policies import policy_factory
 from radixkv.index.results import MatchResult
 from radixkv.protocol.errors import (
@@ -66,7 +67,7 @@ class KVService(Inserts, Inspection):
         self._namespaces = Namespaces(
             self.kind, self.block_size, pool.layout.window_blocks,
             policy_factory(self.config.policy, pool.num_full_blocks), self.config.max_namespaces)
-        self._leases = LeaseTable(clock, self.config, pool.is_free, self._release_lease)
+        self._leases = LeaseTable(clock, self.config)
         self._reclaim = Reclaimer(pool, self._namespaces, self._leases, self.events,
                                   self._tier)
         self._recent: deque[tuple[int, int]] = deque(maxlen=self.config.recent_window)
@@ -127,7 +128,8 @@ class KVService(Inserts, Inspection):
                 lease = self._leases.open(owner, key, ns.name, ttl)
                 ns.num_leases += 1
                 if plan is not None:  # blocks read from the tier below go in first
-                    self._tier.apply(ns, plan, self._publish)
+                    self._tier.apply(ns, plan)
+                    self._publish(ns.name)
                     self.events.publish_dropped(self._tier.take_dropped())
                 m = ns.match(lease, tokens)
                 answer = ns.answer(lease.lease_id, m, epoch)
@@ -200,7 +202,7 @@ class KVService(Inserts, Inspection):
         ttl = self._checks.ttl(ttl_s)
         with self._lock:
             if lease_id:
-                lease = self._leases.get(owner, lease_id)
+                lease = self._get_lease(owner, lease_id)
                 if namespace:
                     self._leases.check_namespace(lease, namespace)
                 num_evicted = self._reclaim.make_room(num_blocks, sinks=sinks, windows=windows)
@@ -231,7 +233,7 @@ class KVService(Inserts, Inspection):
         checked first. Returns the earliest new expiry, in seconds from now."""
         ttl = self._checks.ttl(ttl_s) if ttl_s else None
         with self._lock:
-            leases = [self._leases.get(owner, lid) for lid in dict.fromkeys(lease_ids)]
+            leases = [self._get_lease(owner, lid) for lid in dict.fromkeys(lease_ids)]
             for lease in leases:
                 lease.ttl_s = ttl or lease.ttl_s
                 self._leases.touch(lease)
@@ -245,8 +247,8 @@ class KVService(Inserts, Inspection):
         codes = hint_codes(hints, len(lease_ids))
         with self._lock:
             hint_of = dict(zip(lease_ids, codes, strict=True))
-            leases = [self._leases.get(owner, lid) for lid in dict.fromkeys(lease_ids)]
-            return sum(self._leases.end(lease, hint=hint_of[lease.lease_id]) for lease in leases)
+            leases = [self._get_lease(owner, lid) for lid in dict.fromkeys(lease_ids)]
+            return sum(self._end_lease(lease, hint=hint_of[lease.lease_id]) for lease in leases)
 
     def clear(self, namespace: str) -> int:
         """Drop every cached block of `namespace` (in the pool and in the tier below) and the
@@ -279,7 +281,10 @@ class KVService(Inserts, Inspection):
     def expire_leases(self) -> int:
         """End every lease past its TTL. Returns how many ended."""
         with self._lock:
-            return self._leases.expire()
+            stale = self._leases.stale()
+            for lease in stale:
+                self._end_lease(lease, expired=True)
+            return len(stale)
 
     def close_tier(self, write_down: bool) -> None:
         """Stop the tier below the pool (with `write_down`, after writing the pool's cached
@@ -296,14 +301,21 @@ class KVService(Inserts, Inspection):
     def _publish(self, namespace: str) -> None:
         self.events.publish(namespace, self._namespaces[namespace].tree.take_events())
 
-    def _release_lease(self, lease: Lease, hint: int) -> int:
-        """What ending a lease does outside the table: the hint on what it pinned, its pins
-        dropped, its leased blocks freed, its namespace dropped if left empty."""
+    def _get_lease(self, owner: str, lease_id: int) -> Lease:
+        """The live lease (LeaseTable.get), one past its TTL ended first (LeaseExpired)."""
+        if (overdue := self._leases.overdue(lease_id)) is not None:
+            self._end_lease(overdue, expired=True)
+        return self._leases.get(owner, lease_id)
+
+    def _end_lease(self, lease: Lease, hint: int = NO_HINT, expired: bool = False) -> int:
+        """End a lease: the hint on what it pinned, its pins dropped, its leased blocks freed,
+        its record gone, its namespace dropped if left empty. Returns the blocks freed."""
         ns = self._namespaces[lease.namespace]
         ns.end_lease(lease, hint)
         freed = list(lease.owned)
         if freed:
             self.pool.free(freed)
+        self._leases.end(lease, expired)
         self._namespaces.drop_if_empty(ns)
         return len(freed)
 

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from radixkv.service.kinds import Namespace
 
 MakeRoom = Callable[[int, int], int]  # (regular, sink blocks) -> blocks evicted; OutOfBlocks
-Publish = Callable[[str], None]  # publish a namespace's queued tree events
 
 
 class NoTier:
@@ -51,7 +50,7 @@ class NoTier:
     def read(self, plans: Sequence[Any]) -> None:
         """Read the plans' blocks into their reserved pool blocks (off the service lock)."""
 
-    def apply(self, ns: Namespace, plan: Any, publish: Publish) -> int:
+    def apply(self, ns: Namespace, plan: Any) -> int:
         """A read plan's blocks into `ns`'s tree, the rest of its reserved blocks freed;
         returns how many."""
         return 0
