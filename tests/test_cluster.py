@@ -261,3 +261,26 @@ def test_replay_over_a_cluster_survives_a_killed_member():
     assert sum(d["requests_per_node"].values()) == 300
     assert d["route_p50_us"] > 0 and d["match_p50_us"] > 0
     assert d["token_hit_rate"] > 0
+
+
+def test_etcd_starts_on_other_ports_when_a_free_one_was_taken_meanwhile(monkeypatch):
+    """A port found free can be taken before etcd binds it (another test's etcd, any
+    process): etcd_process starts again on fresh ports instead of failing."""
+    import socket
+
+    from radixkv.cluster import local
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        real, handed = local.free_port, iter([port])
+        monkeypatch.setattr(local, "free_port", lambda: next(handed, None) or real())
+        with local.etcd_process() as e:
+            assert e.client_port != port
+            etcd = Etcd(EtcdTarget.parse(e.url), timeout=5.0)
+            try:
+                etcd.put(b"/radixkv/t", b"1")
+                assert etcd.get(b"/radixkv/t") == b"1"
+            finally:
+                etcd.close()

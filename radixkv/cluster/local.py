@@ -33,6 +33,9 @@ class EtcdNotFound(RadixKVError):
     code = "FAILED_PRECONDITION"
 
 
+PORT_TRIES = 3  # etcd starts on fresh ports again when another process took one meanwhile
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,12 +115,22 @@ class EtcdProcess:
 def etcd_process() -> Iterator[EtcdProcess]:
     """etcd on free loopback ports with a temporary data directory; removed at exit."""
     directory = tempfile.mkdtemp(prefix="rkv-etcd-")
-    e = EtcdProcess(directory, free_port(), free_port())
+    e: EtcdProcess | None = None
     try:
-        e.start()
+        for attempt in range(PORT_TRIES):  # a free port can be taken before etcd binds it
+            e = EtcdProcess(os.path.join(directory, str(attempt)), free_port(), free_port())
+            os.mkdir(e.data_dir, 0o700)
+            try:
+                e.start()
+                break
+            except Unavailable as err:
+                if "address already in use" not in str(err) or attempt == PORT_TRIES - 1:
+                    raise
+        assert e is not None
         yield e
     finally:
-        e.stop()
+        if e is not None:
+            e.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 
