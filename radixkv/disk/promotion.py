@@ -196,7 +196,7 @@ class Promotions:
         self._tombstone(plan.taken[:gone])
         self._lost(plan.taken[good:gone])
         self._restore(plan.taken[gone:])  # the rest stay on disk
-        self._settle(plan)
+        self._retire(plan)
         try:
             if plan.ns is not None and ns is not plan.ns:  # dropped and made again: to disk
                 for entry, b in zip(plan.taken[:good], ids, strict=False):
@@ -218,13 +218,13 @@ class Promotions:
         blocks free, its pin gone."""
         self._unbusy(plan)
         self._restore(plan.taken)
-        self._settle(plan)
+        self._retire(plan)
         plan.views.clear()
         self.pool.free(plan.ids)
         if plan.ns is not None:
             plan.ns.tree.unlock(plan.handle)
 
-    def _settle(self, plan: Promotion) -> None:
+    def _retire(self, plan: Promotion) -> None:
         """The plan is applied or abandoned (once): its blocks are no longer reserved."""
         if plan.live:
             plan.live = False

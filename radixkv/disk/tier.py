@@ -203,11 +203,12 @@ class DiskTier(Promotions, NoTier):
                             entry.staging = payload  # (first: a plan that sees it not
                             entry.pending = None  # pending reads this copy, not the slot)
                             self.writer.append(entry.slot, entry)
-        finally:  # (the blocks are never waited for again; entries left pending are misses)
-            with self._cond:
+        except BaseException:  # the blocks are never waited for again; entries left pending
+            with self._cond:  # are misses
                 for b, _ in mine:
                     self._pending.pop(b, None)
                 self._cond.notify_all()
+            raise
 
     def _copy(self, b: int) -> memoryview:
         """Pool block `b`'s bytes (numpy's copy lets the GIL go: other calls run meanwhile)."""
