@@ -1,6 +1,6 @@
 """The timed part of bench/hicache_bench.py, run by .venv-sglang's python: SGLang's real
-HiCacheController on CPU (tests/_sglang_harness.py) with one storage backend, backing up and
-prefetching batches of pages; prints one JSON object of per-batch times.
+HiCacheController on CPU (tests/integrations/sglang/_sglang_harness.py) with one storage
+backend, backing up and prefetching batches of pages; prints one JSON object of per-batch times.
 
     _hicache_worker.py BACKEND LAYOUT GEOMETRY_JSON BATCH ROUNDS [SOCKET]
 
@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "integrations", "sglang"))
 
 import _sglang_harness as h  # noqa: E402
 import torch  # noqa: E402

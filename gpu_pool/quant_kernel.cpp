@@ -4,7 +4,7 @@
 // refuses NaN / Inf, and scales beyond fp16, before writing anything), then writes scales and
 // codes. The torch ops in quant.py are the reference: the same arithmetic in the same order, in
 // fp32, rounding half to even, so bytes and values are the same bit for bit
-// (tests/test_quant_kernel.py). Built and loaded by gpu_pool/quant_kernel.py.
+// (tests/pool/test_quant_kernel.py). Built and loaded by gpu_pool/quant_kernel.py.
 //
 // The loops are plain C++ that the compiler vectorizes: fp16 / bf16 conversions are written
 // branch-free (as c10::Half does them; F16C / AVX-512 instructions where the CPU has them), and

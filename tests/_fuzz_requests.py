@@ -1,4 +1,4 @@
-"""Request plans for tests/test_fuzz.py: every RadixKV request message, drawn by hypothesis.
+"""Request plans for tests/server/test_fuzz.py: every RadixKV request message, drawn by hypothesis.
 
 Each call's request is one of three kinds:
 

@@ -518,3 +518,23 @@ def test_main_names_no_command() -> None:
     """A new command never needs an edit of radixkv/cli/main.py."""
     imported = imports_of(REPO / "radixkv" / "cli" / "main.py")
     assert sorted(n for n in imported if n.startswith("radixkv.cli.commands.")) == []
+
+
+# Test folders that mirror a folder not under radixkv/ (the rest mirror radixkv/<folder>).
+TEST_MIRRORS = {"pool": "gpu_pool", "benchmarks": "bench", "integrations/shared": "radixkv/integrations"}
+REPO_WIDE_TESTS = {"test_structure.py", "test_docs.py"}  # about the whole repository
+
+
+def test_tests_mirror_the_folders() -> None:
+    """A test file sits in the folder of what it tests: tests/<f>/ for radixkv/<f>/ (or a
+    TEST_MIRRORS folder); only the repository-wide tests sit in tests/ itself."""
+    misplaced = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        folder = path.parent.relative_to(REPO / "tests").as_posix()
+        if folder == ".":
+            ok = path.name in REPO_WIDE_TESTS
+        else:
+            ok = (REPO / TEST_MIRRORS.get(folder, f"radixkv/{folder}")).is_dir()
+        if not ok:
+            misplaced.append(str(path.relative_to(REPO)))
+    assert not misplaced, f"test files outside a mirrored folder: {misplaced}"

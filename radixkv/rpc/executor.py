@@ -10,7 +10,7 @@ grpcio offers no public way to tell a stream's work from a call's when it submit
 executor. It submits the private `grpc._server._stream_response_in_pool` for every handler that
 streams its response; that name is the one dependency on grpcio's internals, read only by
 `stream_behaviour()`. If a grpcio release renames it, streams fall back to the call pool (still
-correct, less isolated), a warning says so at start, and `tests/test_executor.py` fails.
+correct, less isolated), a warning says so at start, and `tests/rpc/test_executor.py` fails.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The SGLang worker processes tests/test_sglang*.py drive: tests/_sglang_worker.py run by
-.venv-sglang's python (scripts/bootstrap_sglang), one command per stdin line, one JSON answer
+"""The SGLang worker processes test_sglang*.py drive: _sglang_worker.py run by .venv-sglang's
+python (scripts/bootstrap_sglang), one command per stdin line, one JSON answer
 per line; and small helpers the tests share."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 PAGE = 4  # tokens per page: the tiny radixkv layout's block_size (tests/_server.py)
 
 
 class Worker:
-    """A tests/_sglang_worker.py process: send a command, read its answer."""
+    """A tests/integrations/sglang/_sglang_worker.py process: send a command, read its answer."""
 
     def __init__(self, log: Path) -> None:
         if not SGLANG_PYTHON.exists():
@@ -29,7 +29,7 @@ class Worker:
                         "(`bash scripts/bootstrap --tests` runs it)")
         self.log = log
         self.proc = subprocess.Popen(
-            [str(SGLANG_PYTHON), str(REPO / "tests" / "_sglang_worker.py")],
+            [str(SGLANG_PYTHON), str(Path(__file__).with_name("_sglang_worker.py"))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),  # noqa: SIM115
             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         self.lock = threading.Lock()

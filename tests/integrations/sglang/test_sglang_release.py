@@ -1,6 +1,6 @@
 """When radixkv's SGLang backend answers a prefetch (batch_get_v1) without waiting for the
 Release of the lease it copied under, and when it must wait: SGLang's real HiCacheController in
-worker processes (tests/_sglang_worker.py) against a real radixkv server.
+worker processes (tests/integrations/sglang/_sglang_worker.py) against a real radixkv server.
 
 The pins a lease holds end only by its Release, its TTL or radixkv's death, so a copy out of a
 host pool that ended within (Match sent + TTL - margin), radixkv alive after it, read pinned

@@ -30,7 +30,7 @@ from radixkv.client import STORE_ALL, Client
 from radixkv.integrations.vllm.driver import Driver
 from radixkv.server.launch import ServerProcess, start_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128  # vLLM's CPU block size; radixkv serves the same
 

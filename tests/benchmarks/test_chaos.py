@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-CHAOS = Path(__file__).resolve().parents[1] / "bench" / "chaos.py"
+CHAOS = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

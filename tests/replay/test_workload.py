@@ -23,7 +23,7 @@ from radixkv.replay.workload import (
     write_token_jsonl,
 )
 
-TRACES = Path(__file__).parents[1] / ".." / "shared" / "traces"
+TRACES = Path(__file__).parents[2] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake" / "conversation_trace.jsonl"
 needs_conversation = pytest.mark.skipif(
     not CONVERSATION.is_file(),

@@ -23,7 +23,7 @@ from gpu_pool import quant, quant_kernel
 from gpu_pool.errors import InvalidArgument
 from gpu_pool.layout import KVLayout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -108,7 +108,7 @@ FORMATS = {
 @pytest.mark.parametrize("model", DTYPES)
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_test_suites_cases_match_byte_for_byte(name, model):
-    """tests/test_quant.py's geometry: sink blocks first, among and after regular ones."""
+    """tests/pool/test_quant.py's geometry: sink blocks first, among and after regular ones."""
     lay = make_layout(model_dtype=model, sink_tokens=2, **FORMATS[name])
     k, v = make_kv(lay, 4, seed=0, dtype=DTYPES[model], zeros=0.1)
     check_both_paths(lay, 6, 2, [6, 0, 1, 7], k, v)

@@ -1,6 +1,6 @@
 """Fuzz: the router's request messages (radixkv.v1.Router), built with arbitrary field values,
 against a live router (a real etcd and two members, one holding cached prompts), as
-tests/test_fuzz.py does for the service.
+tests/server/test_fuzz.py does for the service.
 
 Requests: wild (every field over its whole type: any namespace, token bytes of any length and
 size up to a max-tokens prompt, any excluded ids), coherent (a cached prompt, a prefix of one,

@@ -3,7 +3,7 @@ replaces, bit for bit, both ways: vLLM's CPU page interiors (AMX: K and V packed
 AVX-512 `vec` pages: keys dim-major; plain [2 * block, dim] pages) written by a reference cache
 write (the probe then finds them as with vLLM), in bf16, fp16 and fp32, with random page and
 block ids, layers in one storage or apart, whole or one layer at a time as the loader copies.
-The same copies against vLLM's own cache-write op are in tests/test_vllm.py."""
+The same copies against vLLM's own cache-write op are in tests/integrations/vllm/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def test_a_plan_whose_arithmetic_overflows_is_refused():
     message (in a subprocess, where a crash shows as a signal), nothing run."""
     out = subprocess.run([sys.executable, "-c", OVERFLOWING], capture_output=True, text=True,
                          timeout=120, env={**os.environ,
-                                           "PYTHONPATH": str(Path(__file__).parents[1])})
+                                           "PYTHONPATH": str(Path(__file__).parents[3])})
     assert out.returncode == 0, f"exited {out.returncode}:\n{out.stderr[-2000:]}"
     assert out.stdout.splitlines() == [
         "copy_pages: the plan overflows (4611686018427387904 x 16)",

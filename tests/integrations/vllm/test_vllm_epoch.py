@@ -2,7 +2,7 @@
 Match of the new pool epoch is checked against the engine's KV layout before any load or save
 (a mismatch is a logged miss, the link then refuses); the connector's `stats_file` never raises.
 vLLM itself is not needed: SchedulerSide and WorkerSide get vLLM-shaped requests and KV tensors,
-as the connector would hand them over (tests/test_vllm.py runs them inside real vLLM).
+as the connector would hand them over (test_vllm.py runs them inside real vLLM).
 """
 
 from __future__ import annotations

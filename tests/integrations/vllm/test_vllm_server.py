@@ -29,7 +29,7 @@ import torch
 from radixkv.client import Client
 from radixkv.server.launch import ServerProcess, start_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128
 CHUNK = 256  # --max-num-batched-tokens: a long prompt prefills over several steps

@@ -23,7 +23,7 @@ from radixkv.protocol.errors import InvalidArgument
 from radixkv.replay.simulate import replay_tree
 from radixkv.replay.workload import Request, generate_synthetic, load_mooncake
 
-TRACES = Path(__file__).parents[1] / ".." / "shared" / "traces"
+TRACES = Path(__file__).parents[2] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake" / "conversation_trace.jsonl"
 NUM_REQUESTS = 300
 

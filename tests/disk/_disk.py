@@ -16,7 +16,8 @@ import numpy as np
 from radixkv.client import Client
 
 BS = 4  # tests/_server.py's block size
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def prompt(i: int, blocks: int = 2) -> list[int]:
@@ -68,7 +69,7 @@ print(json.dumps(hits))
 def read_in_other_process(sock: str, ns: str, prompts: list[list[int]]) -> list[int]:
     """Match every prompt from a second process, checking each hit block's bytes there;
     returns the hit tokens of each."""
-    code = READER.format(tests=os.path.join(REPO, "tests"), sock=sock, ns=ns)
+    code = READER.format(tests=HERE, sock=sock, ns=ns)
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(prompts), text=True,
                          capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr

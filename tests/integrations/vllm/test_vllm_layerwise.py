@@ -3,7 +3,7 @@ server: a writer stores its pages (copy into the pool, Insert), a reader loads t
 loader thread layer by layer while its own thread waits for each layer in turn, as vLLM's
 attention does (`wait_for_layer_load`). vLLM itself is not needed: WorkerSide gets vLLM-shaped
 KV tensors (its GPU page layout, on CPU tensors) as `register_kv_caches` would hand them over;
-tests/test_vllm.py runs the same path inside real vLLM engines.
+tests/integrations/vllm/test_vllm.py runs the same path inside real vLLM engines.
 """
 
 from __future__ import annotations

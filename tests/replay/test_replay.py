@@ -27,7 +27,7 @@ from radixkv.replay.runner import block_keys, render_report, run_replay
 from radixkv.replay.simulate import replay_tree
 from radixkv.replay.workload import generate_synthetic, load_trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / ".." / "shared" / "traces" / "mooncake"
 needs_traces = pytest.mark.skipif(
     not TRACES.is_dir(),

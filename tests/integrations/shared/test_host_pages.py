@@ -1,7 +1,7 @@
 """layout.HostPages: SGLang's HiCache host pool layouts (page_first, page_first_direct) <->
 radixkv's canonical [layers, 2, block, heads, dim] blocks, element by element (no SGLang
-needed: the host buffers are built with SGLang's documented shapes; tests/test_sglang.py runs
-the same copies against SGLang's own host pool)."""
+needed: the host buffers are built with SGLang's documented shapes;
+tests/integrations/sglang/test_sglang.py runs the same copies against SGLang's own host pool)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ blocks only gives the logits of the model's own no-cache run, for three shapes:
     gemma2    tiny Gemma2ForCausalLM, alternating windowed / full layers, W 10, eager attention
     smollm2   the real SmolLM2-135M weights in a MinistralForCausalLM with a window (layer_types)
 
-Tolerance as tests/test_engine_hf.py: logits within atol 1e-4 (rtol 0) of the no-cache run
+Tolerance as tests/engines/test_engine_hf.py: logits within atol 1e-4 (rtol 0) of the no-cache run
 (measured: identical or within 3e-7). KV outside a windowed layer's window is proved unused:
 garbage there changes no bit (and garbage one position later does).
 

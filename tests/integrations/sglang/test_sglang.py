@@ -1,6 +1,6 @@
 """radixkv as SGLang's HiCache storage backend, with SGLang's real HiCacheController (CPU, host
 pool, stand-in device allocator) in worker processes run by .venv-sglang's python
-(scripts/bootstrap_sglang; tests/_sglang_worker.py) against a real radixkv server. The workers
+(scripts/bootstrap_sglang; _sglang_worker.py) against a real radixkv server. The workers
 start once for the module (SGLang imports take a while) and open controllers per test; radixkv
 servers come and go per test, each on its own socket."""
 

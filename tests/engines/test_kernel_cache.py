@@ -23,7 +23,7 @@ from gpu_pool import quant_kernel
 from radixkv.engines import models
 from radixkv.protocol.errors import PermissionDenied
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PLANTED = r"""
 #include <stdio.h>

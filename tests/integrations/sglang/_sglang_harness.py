@@ -1,6 +1,6 @@
 """SGLang's real HiCacheController on CPU, as SGLang's own unit tests build it: a host KV pool
 (MHATokenToKVPoolHost, page_first or page_first_direct) over stand-in device K/V buffers, and a
-stand-in device allocator. Runs in .venv-sglang (imported by tests/_sglang_worker.py and
+stand-in device allocator. Runs in .venv-sglang (imported by _sglang_worker.py beside it and
 bench/hicache_bench.py); `write` backs pages up through write_storage and `prefetch` loads them
 through prefetch -> batch_exists -> batch_get_v1, as SGLang's scheduler drives them."""
 

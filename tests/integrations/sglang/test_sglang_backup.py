@@ -1,7 +1,7 @@
 """When radixkv's SGLang backend answers a backup (batch_set_v1): once its copy into radixkv's
 pool ended, before radixkv processed the Insert that makes the pages matchable (sent after the
 answer from a background thread). SGLang's real HiCacheController in worker processes
-(tests/_sglang_worker.py) against a real radixkv server.
+(tests/integrations/sglang/_sglang_worker.py) against a real radixkv server.
 
 A True tells SGLang only that it may go on and free its host slots (the copy out of them
 ended); whether a page is in radixkv is asked later (batch_exists), and radixkv may evict any

@@ -5,7 +5,7 @@ tests/_fuzz_requests.py draws them (wild, coherent with what earlier answers tol
 with one field made wild), for every RPC in the proto. After each example the leases it learned
 are released and the server must still serve and pass its integrity check.
 
-    RADIXKV_FUZZ_PROFILE=thorough .venv/bin/python -m pytest -q tests/test_fuzz.py  # 2,000 each
+    RADIXKV_FUZZ_PROFILE=thorough .venv/bin/python -m pytest -q tests/server/test_fuzz.py  # 2,000
     ... --hypothesis-show-statistics   # which method answered which status, how often
 
 The two fuzz tests run against a plain pool and against a sliding-window pool (window parts

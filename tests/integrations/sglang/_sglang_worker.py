@@ -1,6 +1,6 @@
-"""One SGLang "worker" for tests/test_sglang.py, run by .venv-sglang/bin/python: SGLang's real
-HiCacheController(s) on CPU (tests/_sglang_harness.py) with radixkv (or SGLang's file backend)
-as the storage backend, driven by JSON commands, one per stdin line, one JSON answer per line.
+"""One SGLang "worker" for test_sglang*.py beside it, run by .venv-sglang/bin/python: SGLang's
+real HiCacheController(s) on CPU (_sglang_harness.py) with radixkv (or SGLang's file backend) as
+the storage backend, driven by JSON commands, one per stdin line, one JSON answer per line.
 
     {"op": "open", "name": "a", "layout": "page_first", "socket": "...", "tp_rank": 0, ...}
     {"op": "write", "name": "a", "tokens": [...], "seed": 1}   -> pages stored, page digests
