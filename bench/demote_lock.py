@@ -58,8 +58,8 @@ def _matches(svc: Any, tokens: bytes, interval: float, stop: threading.Event,
 
 def figures(directory: str, preset: str, pool_blocks: int, alloc_blocks: int,
             disk_blocks: int, seconds: float, interval: float) -> dict[str, Any]:
-    from gpu_pool import create_pool
-    from gpu_pool.layout import KVLayout
+    from kvpool import create_pool
+    from kvpool.layout import KVLayout
     from radixkv.disk.tier import DiskTier
     from radixkv.service import KVService, ServiceConfig
 

@@ -108,8 +108,8 @@ def _read_like_the_tier(path: str, request: int, threads: int) -> tuple[int, flo
 
 
 def io_figures(directory: str, preset: str, pool_blocks: int, prompts: int) -> dict[str, Any]:
-    from gpu_pool import create_pool
-    from gpu_pool.layout import KVLayout
+    from kvpool import create_pool
+    from kvpool.layout import KVLayout
     from radixkv.disk.promotion import RUN_SLOTS
     from radixkv.disk.tier import DiskTier
     from radixkv.service import KVService, ServiceConfig

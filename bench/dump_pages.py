@@ -24,8 +24,8 @@ import statistics
 import threading
 import time
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool
+from kvpool.layout import KVLayout
 from radixkv.protocol.tokens import to_token_bytes
 from radixkv.service import KVService, ServiceConfig
 

@@ -17,7 +17,7 @@ Quantized pools (`--kv-dtypes int8,int4`, default both): rows with `kv_dtype` in
 `pool.read` (gather + dequantize into model-dtype K/V, preallocated as the plain gather's are)
 and `pool.write` (quantize + scatter) of the same blocks, in model-dtype bytes per second, and
 their ratios to the plain gather and scatter of the same run (`gather_vs_plain`,
-`scatter_vs_plain`). On the CPU that is the fused kernel of gpu_pool/quant_kernel.cpp;
+`scatter_vs_plain`). On the CPU that is the fused kernel of kvpool/quant_kernel.cpp;
 `RADIXKV_NO_KERNEL=1` times the torch ops instead.
 
     .venv/bin/python bench/pool_copy.py --device cpu --blocks 256 --repeat 15
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from gpu_pool import create_pool, gather, scatter
-from gpu_pool.codecs import TORCH_DTYPES
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool, gather, scatter
+from kvpool.codecs import TORCH_DTYPES
+from kvpool.layout import KVLayout
 
 BLOCK_SIZES = [2, 8, 32, 128, 512]  # tokens: 16 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB blocks
 POOL_CAP = 1 << 30  # the pool holds up to 4 N blocks, at most 1 GiB
@@ -93,7 +93,7 @@ def bench_size(
     backend = "cuda" if device == "cuda" else "host"
     with create_pool(
         layout, num_blocks=pool_blocks, backend=backend, name_prefix="rkvbench"
-    ) as pool:  # views still alive at close keep the memory until they go (see gpu_pool.base)
+    ) as pool:  # views still alive at close keep the memory until they go (see kvpool.base)
         view = pool.view()
         view.view(torch.uint8).fill_(7)  # fault every page in, not in the timed part
         ids_list = rng.sample(range(pool_blocks), n)

@@ -117,8 +117,8 @@ def serve_aio_kv(unix: str, config_path: str, block_size: int, num_blocks: int) 
 
     import grpc
 
-    from gpu_pool import create_pool
-    from gpu_pool.layout import KVLayout
+    from kvpool import create_pool
+    from kvpool.layout import KVLayout
     from radixkv.server.servicer import Servicer
     from radixkv.service import KVService, ServiceConfig
     from radixkv.v1 import radixkv_pb2_grpc

@@ -31,8 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, summary_line  # noqa: E402
 
-from gpu_pool.layout import KVLayout, parse_bytes  # noqa: E402
-from gpu_pool.sizing import default_window_fraction, fit_blocks, fit_window_blocks  # noqa: E402
+from kvpool.layout import KVLayout, parse_bytes  # noqa: E402
+from kvpool.sizing import default_window_fraction, fit_blocks, fit_window_blocks  # noqa: E402
 from radixkv.replay.cluster import ReplayWindow  # noqa: E402
 from radixkv.replay.runner import MOONCAKE_BLOCK_SIZE, run_replay  # noqa: E402
 from radixkv.replay.workload import iter_trace  # noqa: E402

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool
+from kvpool.layout import KVLayout
 from radixkv.service import KVService, ServiceConfig
 
 BS = 4

@@ -1,5 +1,5 @@
 """The layering the README's architecture section promises, read from the import graph:
-gpu_pool imports nothing of radixkv; the service side never imports the replay tool or the CLI;
+kvpool imports nothing of radixkv; the service side never imports the replay tool or the CLI;
 the client side and the engine integrations load nothing of the service, the server or the
 index; the package never imports bench/."""
 
@@ -57,8 +57,8 @@ def offenders(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
     return found
 
 
-def test_gpu_pool_imports_nothing_of_radixkv() -> None:
-    assert offenders("gpu_pool", ("radixkv", "bench")) == {}
+def test_kvpool_imports_nothing_of_radixkv() -> None:
+    assert offenders("kvpool", ("radixkv", "bench")) == {}
 
 
 @pytest.mark.parametrize("folder", ["radixkv/index", "radixkv/server", "radixkv/cluster"])
@@ -77,16 +77,16 @@ def test_service_core_never_imports_the_tools() -> None:
 
 
 def test_the_index_does_no_io() -> None:
-    assert offenders("radixkv/index", ("grpc", "gpu_pool", "radixkv.server", "socket")) == {}
+    assert offenders("radixkv/index", ("grpc", "kvpool", "radixkv.server", "socket")) == {}
 
 
 def test_package_never_imports_bench() -> None:
     assert offenders("radixkv", ("bench", "_common")) == {}
 
 
-def test_gpu_pool_imports_with_radixkv_absent() -> None:
-    """Every gpu_pool module imports in a fresh interpreter where `radixkv` cannot be found."""
-    names = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in modules("gpu_pool")]
+def test_kvpool_imports_with_radixkv_absent() -> None:
+    """Every kvpool module imports in a fresh interpreter where `radixkv` cannot be found."""
+    names = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in modules("kvpool")]
     code = f"""
 import importlib, sys
 class NoRadixKV:
@@ -106,7 +106,7 @@ print("imported", len(sys.modules))
 
 # ---- the package import graph: acyclic, no private names across modules ---------------------
 
-GRAPH_PACKAGES = ("radixkv", "gpu_pool")
+GRAPH_PACKAGES = ("radixkv", "kvpool")
 GENERATED = (("radixkv", "v1"), ("radixkv", "etcd"))  # protoc's stubs
 
 # Known offenders being fixed elsewhere; remove an entry when its fix lands. A cycle is allowed
@@ -187,7 +187,7 @@ def test_cycles_finds_a_cycle_and_only_cycles() -> None:
 def test_the_package_import_graph_is_acyclic() -> None:
     known = package_modules()
     graph = {name: import_edges(name, path, known)[0] for name, path in known.items()}
-    assert {"gpu_pool.base", "radixkv.service.service", "radixkv.index.tree"} <= set(graph)
+    assert {"kvpool.base", "radixkv.service.service", "radixkv.index.tree"} <= set(graph)
     assert [sorted(c) for c in cycles(graph) if c not in ALLOWED_CYCLES] == []
 
 
@@ -204,7 +204,7 @@ def test_no_private_name_is_imported_across_modules() -> None:
 # ---- layers by folder: a module imports only from its own layer or those below ------------
 
 LAYERS = (  # bottom up
-    ("gpu_pool",),
+    ("kvpool",),
     ("radixkv.v1", "radixkv.etcd", "radixkv.protocol", "radixkv"),  # "radixkv": its __init__
     ("radixkv.client", "radixkv.index"),
     ("radixkv.service",),
@@ -231,7 +231,7 @@ def layer_of(module: str) -> int:
 
 def test_layer_of_takes_the_longest_prefix() -> None:
     assert layer_of("radixkv.service.events") == 3 and layer_of("radixkv.rpc.etcd") == 5
-    assert layer_of("radixkv.protocol.wire") == 1 and layer_of("gpu_pool.base") == 0
+    assert layer_of("radixkv.protocol.wire") == 1 and layer_of("kvpool.base") == 0
 
 
 def test_no_module_imports_from_a_layer_above_its_own() -> None:
@@ -382,9 +382,9 @@ LONG_FUNCTIONS: dict[str, int] = {
     "radixkv/replay/simulate.py:replay_tree": 76,
 }
 WIDE_FUNCTIONS: dict[str, int] = {
-    "gpu_pool/factory.py:create_pool": 9,
-    "gpu_pool/host.py:HostBlockPool.__init__": 8,
-    "gpu_pool/jit.py:Kernel.__init__": 10,
+    "kvpool/factory.py:create_pool": 9,
+    "kvpool/host.py:HostBlockPool.__init__": 8,
+    "kvpool/jit.py:Kernel.__init__": 10,
     "radixkv/cli/commands/events.py:tail_events": 8,
     "radixkv/client/client.py:Client.insert": 8,
     "radixkv/client/lease.py:Calls.insert": 8,
@@ -521,7 +521,8 @@ def test_main_names_no_command() -> None:
 
 
 # Test folders that mirror a folder not under radixkv/ (the rest mirror radixkv/<folder>).
-TEST_MIRRORS = {"pool": "gpu_pool", "benchmarks": "bench", "integrations/shared": "radixkv/integrations"}
+TEST_MIRRORS = {"pool": "kvpool", "benchmarks": "bench",
+                "integrations/shared": "radixkv/integrations"}
 REPO_WIDE_TESTS = {"test_structure.py", "test_docs.py"}  # about the whole repository
 
 

@@ -9,7 +9,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from gpu_pool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
+from kvpool.layout import PRESETS, SINK_TOKENS, KVLayout, parse_bytes
 from radixkv.index.policies import DEFAULT_POLICY, POLICIES
 from radixkv.protocol.errors import InvalidArgument
 
@@ -140,7 +140,7 @@ def window_fraction_from_args(layout: KVLayout, text: str | None) -> float | Non
     """--window-fraction checked against the layout (None when not given)."""
     if text is None:
         return None
-    from gpu_pool.sizing import check_window_fraction
+    from kvpool.sizing import check_window_fraction
 
     if not layout.is_windowed:
         raise InvalidArgument(f"--window-fraction {text} needs a sliding-window layout (a "
@@ -214,7 +214,7 @@ def disk_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgument("--disk-dir needs --disk-capacity SIZE or --disk-capacity-blocks N")
     try:
         size = parse_bytes(args.disk_capacity) if args.disk_capacity else None
-    except Exception as e:  # gpu_pool's InvalidArgument: the unreadable size
+    except Exception as e:  # kvpool's InvalidArgument: the unreadable size
         raise InvalidArgument(f"--disk-capacity: {e}") from None
     return {"disk_dir": args.disk_dir, "disk_capacity_blocks": args.disk_capacity_blocks,
             "disk_capacity_bytes": size, "disk_promote_blocks": args.disk_promote_blocks}

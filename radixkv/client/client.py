@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from gpu_pool import PoolMapping, attach
+from kvpool import PoolMapping, attach
 from radixkv.client.lease import Lease
 from radixkv.protocol import errors
 from radixkv.protocol.env import check_socket_dir, client_tls_ca, client_token, normalize_target

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
-from gpu_pool import PoolMapping
+from kvpool import PoolMapping
 from radixkv.protocol.errors import RadixKVError
 from radixkv.protocol.values import Allocation, InsertResult, LeaseMatch
 

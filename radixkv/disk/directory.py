@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import stat
 
-from gpu_pool.base import BlockPool
-from gpu_pool.layout import format_bytes
+from kvpool.base import BlockPool
+from kvpool.layout import format_bytes
 from radixkv.disk.claim import DirectoryInUse, UnsafeFile
 from radixkv.disk.slots import FILE_NAME, BadTierFile, SlotFile
 from radixkv.disk.tier import DiskTier

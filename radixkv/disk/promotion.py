@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from gpu_pool.base import BlockPool
+from kvpool.base import BlockPool
 from radixkv.disk.index import DiskIndex, Entry
 from radixkv.disk.slots import ZERO_HASH, BlockKey, SlotFile, chain_hash
 from radixkv.disk.writer import SlotWriter

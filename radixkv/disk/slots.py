@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from gpu_pool.layout import KVLayout
+from kvpool.layout import KVLayout
 from radixkv.disk.claim import lock_directory, open_owned
 from radixkv.protocol.tokens import TOKEN_BYTES
 

@@ -43,7 +43,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from gpu_pool.base import BlockPool
+from kvpool.base import BlockPool
 from radixkv.disk.index import DiskIndex, Entry, Key
 from radixkv.disk.promotion import Promotions
 from radixkv.disk.slots import FILE_NAME, ZERO_HASH, BlockKey, SlotFile, SlotMeta, chain_hash

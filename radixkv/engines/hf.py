@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from gpu_pool.layout import KVLayout
+from kvpool.layout import KVLayout
 from radixkv.client.client import STORE_ALL, Client, Lease
 from radixkv.engines import window_cache
 from radixkv.engines.window_cache import cache_layers as cache_layers  # re-exported

@@ -21,7 +21,7 @@ converts again. An entry whose manifest is missing, unreadable or disagrees with
 truncated or altered file, a missing one) is removed and rebuilt. Conversion writes a temporary
 folder and renames it into place while holding a lock file, so concurrent loaders (two engine
 processes) convert once and never read half an entry. The cache is trusted only as far as this
-user controls it (gpu_pool/private_dir.py): its directories are created 0700, and a directory,
+user controls it (kvpool/private_dir.py): its directories are created 0700, and a directory,
 entry or file that another user owns or that group or others may write is refused
 (PermissionDenied), as is a lock file that is a symlink.
 """
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_pool.private_dir import check_private, open_lock, private_dir
+from kvpool.private_dir import check_private, open_lock, private_dir
 from radixkv.protocol.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("radixkv.engines.models")
@@ -311,7 +311,7 @@ def convert_gguf(spec: ModelSpec, source: Path, out: Path) -> None:
     config.pop("quantization_config", None)  # the weights below are plain fp32
     config.pop("_name_or_path", None)
     config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = "float32"  # what gpu_pool's KVLayout.from_hf_config reads
+    config["torch_dtype"] = "float32"  # what kvpool's KVLayout.from_hf_config reads
     state = model.state_dict()
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)  # the same tensor as the embedding; tied on load

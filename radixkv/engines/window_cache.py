@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu_pool.layout import KVLayout
+from kvpool.layout import KVLayout
 from radixkv.protocol.errors import FailedPrecondition, OutOfBlocks
 from radixkv.protocol.limits import HOLE
 

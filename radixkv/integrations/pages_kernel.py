@@ -2,7 +2,7 @@
 copy (all its layers and pages), moving bytes at about memcpy's cost, with the GIL released.
 
 It covers every page interior that `Strided` describes (layout.py: vLLM's CPU pages), in any
-dtype, bit for bit. Built on first use and loaded through gpu_pool/jit.py (the cache directory,
+dtype, bit for bit. Built on first use and loaded through kvpool/jit.py (the cache directory,
 its key and lock, `RADIXKV_NO_KERNEL=1`); where it cannot be built, the warning says so once and
 layout.py's torch-op copies serve. Single-threaded, no OpenMP: the vLLM connector's loader runs
 it on a CPU of its own.
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gpu_pool import jit
+from kvpool import jit
 
 if TYPE_CHECKING:
     import torch

@@ -1,11 +1,11 @@
-"""The project's exceptions: the pool's own (`gpu_pool.errors`, re-exported here) and the
+"""The project's exceptions: the pool's own (`kvpool.errors`, re-exported here) and the
 service's. Each names the gRPC status it maps to (by name, so that this module does not import
 grpc); the server aborts through one table built from `code`, and the client maps status codes
 back to these classes."""
 
 from __future__ import annotations
 
-from gpu_pool.errors import (
+from kvpool.errors import (
     IntegrityError,
     InvalidArgument,
     OutOfBlocks,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpu_pool.base import PoolHandle
-    from gpu_pool.layout import KVLayout
+    from kvpool.base import PoolHandle
+    from kvpool.layout import KVLayout
 
 
 @dataclass(frozen=True, slots=True)

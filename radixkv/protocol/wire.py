@@ -19,8 +19,8 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import Message
 
-from gpu_pool import PoolHandle
-from gpu_pool.layout import KVLayout
+from kvpool import PoolHandle
+from kvpool.layout import KVLayout
 from radixkv.protocol.errors import ALL_ERRORS, InvalidArgument, LimitExceeded, RadixKVError
 from radixkv.protocol.tokens import ids_from_bytes
 from radixkv.protocol.values import LeaseMatch, NodeView, PoolInfo, WindowLeaseMatch

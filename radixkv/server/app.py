@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpu_pool import create_pool
+from kvpool import create_pool
 from radixkv.protocol.errors import AlreadyExists, InvalidArgument, RadixKVError
 from radixkv.rpc.auth import AccessInterceptor, server_credentials
 from radixkv.rpc.executor import SplitExecutor

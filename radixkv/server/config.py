@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpu_pool.layout import KVLayout
+from kvpool.layout import KVLayout
 from radixkv.protocol.env import default_socket_path, server_settings
 from radixkv.rpc.auth import read_token
 from radixkv.rpc.etcd import NO_SECURITY, EtcdSecurity
@@ -19,7 +19,7 @@ class ServerConfig:
     num_blocks: int = 1024  # a sliding-window layout: its full parts
     sink_fraction: float = 0.125  # quantized layouts with sink tokens: share of sink blocks
     # sliding-window layouts: the window parts beside num_blocks full parts (None: as many), or
-    # the share of the pool's bytes they take (gpu_pool.base.create_pool)
+    # the share of the pool's bytes they take (kvpool.base.create_pool)
     num_window_blocks: int | None = None
     window_fraction: float | None = None
     backend: str = "host"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpu_pool.base import BlockPool
+from kvpool.base import BlockPool
 from radixkv.index.results import MatchResult
 from radixkv.protocol.errors import OutOfBlocks
 from radixkv.protocol.values import LeaseMatch

@@ -16,7 +16,7 @@ from radixkv.protocol.limits import HOLE, MAX_KEY_SIZE, MIN_KEY_SIZE, MIN_LEASE_
 from radixkv.protocol.tokens import TOKEN_BYTES, from_token_bytes, num_tokens
 
 if TYPE_CHECKING:
-    from gpu_pool.base import BlockPool
+    from kvpool.base import BlockPool
     from radixkv.service.config import ServiceConfig
 
 MAX_NAMESPACE_LEN = 256

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
-from gpu_pool.base import BlockPool
+from kvpool.base import BlockPool
 from radixkv.index.results import InsertResult
 from radixkv.protocol.errors import InvalidArgument
 from radixkv.service.checks import InputChecks, hint_codes

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from gpu_pool.base import BlockPool
+from kvpool.base import BlockPool
 from radixkv.index.pages import page
 from radixkv.index.results import NodeView
 from radixkv.protocol.errors import IntegrityError, InvalidArgument, NotFound

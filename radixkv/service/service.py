@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpu_pool.base import BlockPool, PoolHandle
+from kvpool.base import BlockPool, PoolHandle
 from radixkv.index.hints import NO_HINT
 from radixkv.index.policies import policy_factory
 from radixkv.index.results import MatchResult

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from _disk import BS, hits, kv_of, tokens_of
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool
+from kvpool.layout import KVLayout
 from radixkv.disk.tier import DiskTier
 from radixkv.service import KVService, ServiceConfig
 

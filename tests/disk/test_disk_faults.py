@@ -21,8 +21,8 @@ from _disk import BS, hits, kv_of, put, read_in_other_process, tokens_of
 from _disk import prompt as p
 from _server import REPO, tiny_config_path
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool
+from kvpool.layout import KVLayout
 from radixkv.client import Client
 from radixkv.disk import writer as writer_module
 from radixkv.disk.claim import LOCK_NAME

@@ -25,8 +25,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool
+from kvpool.layout import KVLayout
 from radixkv.disk.promotion import Promotion
 from radixkv.disk.slots import FILE_NAME, ZERO_HASH, chain_hash
 from radixkv.disk.tier import DiskTier

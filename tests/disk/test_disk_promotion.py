@@ -18,8 +18,8 @@ import pytest
 import torch
 from _server import tiny_config_path
 
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool
+from kvpool.layout import KVLayout
 from radixkv.client import Client
 from radixkv.disk.tier import DiskTier
 from radixkv.protocol.errors import FailedPrecondition, IntegrityError

@@ -361,7 +361,7 @@ def test_flipped_bytes_in_the_slot_file_are_a_counted_miss(workdir):
 
 
 def start_layout(d: str):  # noqa: ANN201 - the tiny layout the servers above run
-    from gpu_pool.layout import KVLayout
+    from kvpool.layout import KVLayout
     from radixkv.cli.flags import layout_from_args
     from radixkv.cli.main import build_parser
 

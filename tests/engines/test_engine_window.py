@@ -32,7 +32,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 
 import torch  # noqa: E402
 
-from gpu_pool.layout import KVLayout  # noqa: E402
+from kvpool.layout import KVLayout  # noqa: E402
 from radixkv.client.client import Client  # noqa: E402
 from radixkv.engines import attention, tiny_llama  # noqa: E402
 from radixkv.engines.hf import Engine, PrefillResult, pool_layout_for  # noqa: E402
@@ -92,7 +92,7 @@ def with_window(model: Any, window: int, pattern: str) -> Any:
     window on layer_types) sharing its weights: the same model, windowed."""
     from transformers import MinistralConfig, MinistralForCausalLM
 
-    from gpu_pool.window import parse_window_layers
+    from kvpool.window import parse_window_layers
 
     cfg = model.config
     windowed = set(parse_window_layers(pattern, cfg.num_hidden_layers))

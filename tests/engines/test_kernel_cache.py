@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_pool import quant_kernel
+from kvpool import quant_kernel
 from radixkv.engines import models
 from radixkv.protocol.errors import PermissionDenied
 
@@ -40,8 +40,8 @@ __attribute__((constructor)) static void planted(void) {
 WRITE = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING)
-from gpu_pool import create_pool, quant_kernel
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool, quant_kernel
+from kvpool.layout import KVLayout
 lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype="int8")
 with create_pool(lay, num_blocks=2) as pool:
     k = torch.randn(1, 4, 2, 8)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gpu_pool.layout import KVLayout
+from kvpool.layout import KVLayout
 from radixkv.engines import models
 from radixkv.protocol.errors import InvalidArgument
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_pool import attach, create_pool
-from gpu_pool.codecs import CODECS, Int4Codec, Int8Codec, PlainCodec, codec_for
-from gpu_pool.layout import DTYPE_BITS, KVLayout
-from gpu_pool.window import SlidingWindow
+from kvpool import attach, create_pool
+from kvpool.codecs import CODECS, Int4Codec, Int8Codec, PlainCodec, codec_for
+from kvpool.layout import DTYPE_BITS, KVLayout
+from kvpool.window import SlidingWindow
 
 L, H, D, B = 2, 2, 8, 4
 TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from gpu_pool.calc import calculate
-from gpu_pool.layout import PRESETS, KVLayout, format_bytes, parse_bytes
+from kvpool.calc import calculate
+from kvpool.layout import PRESETS, KVLayout, format_bytes, parse_bytes
 from radixkv.protocol.errors import InvalidArgument
 
 

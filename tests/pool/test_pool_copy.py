@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gpu_pool import create_pool, gather, scatter
-from gpu_pool.copy import _split
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool, gather, scatter
+from kvpool.copy import _split
+from kvpool.layout import KVLayout
 from radixkv.protocol.errors import InvalidArgument
 
 PREFIX = f"rkvc{os.getpid()}"

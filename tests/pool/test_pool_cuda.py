@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
 
-from gpu_pool import BlockPool, attach, create_pool, gather, scatter  # noqa: E402
-from gpu_pool.cuda import SLAB_ALIGN, device_uuid, is_available  # noqa: E402
-from gpu_pool.layout import KVLayout  # noqa: E402
+from kvpool import BlockPool, attach, create_pool, gather, scatter  # noqa: E402
+from kvpool.cuda import SLAB_ALIGN, device_uuid, is_available  # noqa: E402
+from kvpool.layout import KVLayout  # noqa: E402
 from radixkv.protocol.errors import InvalidArgument, StalePool, Unavailable  # noqa: E402
 
 if not is_available() or not torch.cuda.is_available():
@@ -170,7 +170,7 @@ def test_quantized_blocks_on_the_device_match_the_cpu_codec(kv_dtype: str) -> No
     """The same torch ops on the GPU: write/read a quantized cuda pool (a sink block first):
     sink tokens bit-exact, the rest what the CPU codec gives within one quantization step
     (device rounding may differ at a step's edge)."""
-    from gpu_pool import quant
+    from kvpool import quant
 
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype=kv_dtype, block_size=8,
                       model_dtype="bf16", sink_tokens=2)

@@ -27,9 +27,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import gpu_pool.cuda
-import gpu_pool.host
-from gpu_pool import (
+import kvpool.cuda
+import kvpool.host
+from kvpool import (
     BlockPool,
     PoolHandle,
     attach,
@@ -38,8 +38,8 @@ from gpu_pool import (
     num_blocks_for,
     reclaim_stale_segments,
 )
-from gpu_pool.host import SHM_DIR, HostBlockPool
-from gpu_pool.layout import KVLayout
+from kvpool.host import SHM_DIR, HostBlockPool
+from kvpool.layout import KVLayout
 from radixkv.protocol.errors import (
     InvalidArgument,
     OutOfBlocks,
@@ -287,7 +287,7 @@ def test_segment_name_and_small_shm(monkeypatch: pytest.MonkeyPatch) -> None:
         assert re.fullmatch(rf"{PREFIX}-{os.getpid()}-[0-9a-f]{{32}}", handle.name)
         assert handle.epoch in handle.name and handle.owner_pid == os.getpid()
         assert os.stat(f"{SHM_DIR}/{handle.name}").st_mode & 0o777 == 0o600
-    monkeypatch.setattr(gpu_pool.host, "shm_free_bytes", lambda shm_dir=SHM_DIR: 60_000)
+    monkeypatch.setattr(kvpool.host, "shm_free_bytes", lambda shm_dir=SHM_DIR: 60_000)
     message = (
         "/dev/shm has 60.00 kB (58.59 KiB) free, the pool needs 1.05 MB (1.00 MiB) (2048 blocks "
         "x 512 B); enlarge /dev/shm (e.g. docker --shm-size) or ask for fewer blocks"
@@ -507,7 +507,7 @@ def test_cuda_backend_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> N
         create_pool(make_layout(), num_blocks=2, backend="cuda")
     with pytest.raises(Unavailable, match=no_cupy):
         attach(handle)
-    assert not gpu_pool.cuda.is_available()
+    assert not kvpool.cuda.is_available()
     no_gpu = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
     monkeypatch.setitem(sys.modules, "cupy", no_gpu)
     message = "no CUDA GPU is visible (cupy.cuda.is_available() is False); use backend='host'"
@@ -515,8 +515,8 @@ def test_cuda_backend_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> N
         create_pool(make_layout(), num_blocks=2, backend="cuda")
 
 
-def test_importing_gpu_pool_imports_neither_torch_nor_cupy() -> None:
-    code = "import sys, gpu_pool; print(sorted({'torch', 'cupy'} & set(sys.modules)))"
+def test_importing_kvpool_imports_neither_torch_nor_cupy() -> None:
+    code = "import sys, kvpool; print(sorted({'torch', 'cupy'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -533,7 +533,7 @@ def test_signal_cleanup_keeps_an_ignored_signal_ignored() -> None:
             assert name not in os.listdir(SHM_DIR)
     finally:
         signal.signal(signal.SIGUSR1, before)
-        gpu_pool.host._installed.discard(signal.SIGUSR1)
+        kvpool.host._installed.discard(signal.SIGUSR1)
 
 
 def _rss_kib(address: int) -> int:
@@ -555,7 +555,7 @@ def test_an_attached_pool_is_mapped_in_ahead_of_use(prefault: bool) -> None:
     4 KiB at its first copies); without prefault nothing is mapped until touched."""
     with make_pool(8192) as pool:
         handle = pool.export()
-        mapping = gpu_pool.host.HostPoolMapping(handle, prefault=prefault)
+        mapping = kvpool.host.HostPoolMapping(handle, prefault=prefault)
         try:
             address = mapping.numpy_view().__array_interface__["data"][0]
             if prefault:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from _server import running_server
 
-from gpu_pool import create_pool, quant
-from gpu_pool.calc import calculate
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool, quant
+from kvpool.calc import calculate
+from kvpool.layout import KVLayout
 from radixkv.client import Client, pool_info_from_pb
 from radixkv.protocol.errors import InvalidArgument, OutOfBlocks
 

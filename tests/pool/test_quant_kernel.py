@@ -1,4 +1,4 @@
-"""The fused CPU kernel (gpu_pool/quant_kernel.cpp) against the torch-op codec it replaces on the
+"""The fused CPU kernel (kvpool/quant_kernel.cpp) against the torch-op codec it replaces on the
 CPU: the same pool bytes and the same K/V, bit for bit, on every format, model dtype and block
 layout; the fallback when it is disabled or cannot be built."""
 
@@ -19,9 +19,9 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from gpu_pool import quant, quant_kernel
-from gpu_pool.errors import InvalidArgument
-from gpu_pool.layout import KVLayout
+from kvpool import quant, quant_kernel
+from kvpool.errors import InvalidArgument
+from kvpool.layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -193,7 +193,7 @@ def test_a_kernel_that_cannot_build_falls_back_and_says_why_once(monkeypatch, ca
     monkeypatch.setattr(quant_kernel.KERNEL, "_build_and_load", broken)
     lay = make_layout("int4", sink_tokens=0)
     k, v = make_kv(lay, 2, seed=4, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="gpu_pool.quant_kernel"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.quant_kernel"):
         plain, sink = write(lay, 2, 0, [0, 1], k, v)
         got = quant.gather(lay, plain, sink, [0, 1])
         write(lay, 2, 0, [0, 1], k, v)
@@ -207,8 +207,8 @@ def test_a_kernel_that_cannot_build_falls_back_and_says_why_once(monkeypatch, ca
 
 
 def test_without_a_compiler_the_torch_ops_serve(tmp_path):
-    code = ("import torch; from gpu_pool import quant, quant_kernel; "
-            "from gpu_pool.layout import KVLayout; "
+    code = ("import torch; from kvpool import quant, quant_kernel; "
+            "from kvpool.layout import KVLayout; "
             "lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, "
             "dtype='int8', model_dtype='fp32'); "
             "plain = torch.zeros((2, lay.bytes_per_block), dtype=torch.uint8); "
@@ -228,7 +228,7 @@ def test_without_a_compiler_the_torch_ops_serve(tmp_path):
 def test_two_processes_build_once_into_the_cache_dir(tmp_path):
     """A fresh cache: two processes ask at once; one compiles (the other waits on the lock), both
     load, and nothing lands in the repository."""
-    code = ("from gpu_pool import quant_kernel; import sys; "
+    code = ("from kvpool import quant_kernel; import sys; "
             "sys.exit(0 if quant_kernel.ops() is not None else 1)")
     env = {**os.environ, "RADIXKV_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     env.pop("RADIXKV_NO_KERNEL", None)

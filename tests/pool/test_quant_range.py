@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_quant import FORMATS, B, D, H, L, layout
 
-from gpu_pool import create_pool
+from kvpool import create_pool
 from radixkv.protocol.errors import InvalidArgument
 
 # (value written at one (token, head, channel), the rest in [-1, 1]) per format: inside / beyond

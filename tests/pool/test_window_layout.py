@@ -10,9 +10,9 @@ import sys
 import pytest
 from _server import running_server
 
-from gpu_pool.calc import calculate
-from gpu_pool.layout import PRESETS, KVLayout
-from gpu_pool.window import format_window_layers, parse_window_layers
+from kvpool.calc import calculate
+from kvpool.layout import PRESETS, KVLayout
+from kvpool.window import format_window_layers, parse_window_layers
 from radixkv.client import Client, pool_info_from_pb
 from radixkv.protocol.errors import InvalidArgument
 from radixkv.protocol.wire import layout_pb

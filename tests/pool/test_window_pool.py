@@ -23,10 +23,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gpu_pool import BlockPool, PoolHandle, attach, create_pool, num_blocks_for
-from gpu_pool.host import SHM_DIR, HostBlockPool
-from gpu_pool.layout import PRESETS, KVLayout
-from gpu_pool.sizing import (
+from kvpool import BlockPool, PoolHandle, attach, create_pool, num_blocks_for
+from kvpool.host import SHM_DIR, HostBlockPool
+from kvpool.layout import PRESETS, KVLayout
+from kvpool.sizing import (
     IDS_PER_WINDOW_PART,
     default_window_fraction,
     fit_blocks,
@@ -296,7 +296,7 @@ def test_a_second_process_reads_and_writes_both_parts() -> None:
 def test_quantized_parts_use_the_codec_per_part() -> None:
     import torch
 
-    from gpu_pool import quant
+    from kvpool import quant
 
     lay = KVLayout(4, 2, 8, "int8", 4, model_dtype="fp32").with_window(6, "0-2")
     assert (lay.full_bytes_per_block, lay.window_bytes_per_block) == (160, 480)  # 128 + 2 x 16

@@ -120,8 +120,8 @@ def test_clear_keeps_lifetime_counters(svc):
 
 def test_integrity_checks_hold_under_python_O():
     code = """
-from gpu_pool import create_pool
-from gpu_pool.layout import KVLayout
+from kvpool import create_pool
+from kvpool.layout import KVLayout
 from radixkv.protocol.errors import IntegrityError
 from radixkv.service import KVService
 import numpy as np

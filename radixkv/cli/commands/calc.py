@@ -1,4 +1,4 @@
-"""`radixkv calc`: the KV-cache memory calculator (gpu_pool/calc.py) for one model's layout: per
+"""`radixkv calc`: the KV-cache memory calculator (kvpool/calc.py) for one model's layout: per
 token, block, context and N requests, what a memory budget holds, at the model's dtype and at
 int8 / int4."""
 
@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from gpu_pool.layout import parse_bytes
+from kvpool.layout import parse_bytes
 from radixkv.cli.flags import add_layout_flags, layout_from_args
 
 
@@ -32,7 +32,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report, as a table or JSON."""
-    from gpu_pool.calc import calculate, render
+    from kvpool.calc import calculate, render
 
     report = calculate(layout_from_args(args), args.context, args.requests,
                        parse_bytes(args.memory) if args.memory else None)

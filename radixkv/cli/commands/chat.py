@@ -76,7 +76,7 @@ def _turns(args: argparse.Namespace) -> Iterator[str]:
 def _check_layout(target: str | None, model: str) -> None:
     """InvalidArgument, saying how to start a fitting service, unless the service's pool holds
     the model's KV layout."""
-    from gpu_pool.layout import KVLayout
+    from kvpool.layout import KVLayout
     from radixkv.client import Client
     from radixkv.engines.models import get_spec
     from radixkv.protocol.errors import InvalidArgument, Unavailable

@@ -61,8 +61,8 @@ def service_process(*flags: str, console: Console | None = None) -> Iterator[str
 
 
 def stage_calc(console: Console) -> None:
-    from gpu_pool.calc import calculate, render
-    from gpu_pool.layout import KVLayout
+    from kvpool.calc import calculate, render
+    from kvpool.layout import KVLayout
 
     console.rule("[bold]1. What KV costs (radixkv calc --preset llama-3-70b)")
     console.print(render(calculate(KVLayout.from_preset("llama-3-70b"))))

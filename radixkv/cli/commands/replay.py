@@ -121,12 +121,12 @@ def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
                     all_full: bool = False) -> MemoryCapacity:
     """The blocks of `preset`'s layout stored as `kv_dtype` in `memory` bytes: what a
     `radixkv serve --memory` pool of that format holds. A sliding-window preset's pool holds
-    full parts and window parts (gpu_pool.sizing.fit_window_blocks, `window_fraction` or the
+    full parts and window parts (kvpool.sizing.fit_window_blocks, `window_fraction` or the
     default; quantized without sink tokens, as such a pool must be): the replay gets the full
     parts as its blocks beside the window parts (`window`). `all_full`: count the preset as if
     every layer were full attention (the baseline a window-unaware cache is)."""
-    from gpu_pool.layout import KVLayout, parse_bytes
-    from gpu_pool.sizing import default_window_fraction, fit_blocks, fit_window_blocks
+    from kvpool.layout import KVLayout, parse_bytes
+    from kvpool.sizing import default_window_fraction, fit_blocks, fit_window_blocks
 
     layout = KVLayout.from_preset(preset, None, block_size)
     if all_full:
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if note:
         report = replace(report, notes=(*report.notes, note))
     if report.disk is not None:
-        from gpu_pool.layout import KVLayout
+        from kvpool.layout import KVLayout
 
         layout = KVLayout.from_preset(args.preset, None, block_size)
         if args.kv_dtype != layout.dtype:

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
-from gpu_pool.layout import parse_bytes
+from kvpool.layout import parse_bytes
 from radixkv.cli.flags import (
     add_disk_flags,
     add_etcd_flags,
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             pin_cpus(args.cpus)
         except RadixKVError as e:
             raise SystemExit(f"radixkv serve: {e}") from None
-    from gpu_pool.sizing import fit_blocks, fit_window_blocks
+    from kvpool.sizing import fit_blocks, fit_window_blocks
 
     layout = layout_from_args(args)
     num_blocks, num_window_blocks = args.num_blocks, args.num_window_blocks
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         exit_with_parent()
 
     def ready(server: object) -> None:
-        from gpu_pool.layout import format_bytes
+        from kvpool.layout import format_bytes
 
         pool = config.layout
         where = ", ".join(server.addresses)  # type: ignore[attr-defined]

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpu_pool.handle import pid_alive
+from kvpool.handle import pid_alive
 from radixkv.client import Client
 from radixkv.integrations.releaser import Releaser
 from radixkv.protocol.errors import LeaseExpired, NotFound, PermissionDenied

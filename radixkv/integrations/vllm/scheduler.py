@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_pool.layout import KVLayout
+from kvpool.layout import KVLayout
 from radixkv.client import STORE_ALL, Client
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
 from radixkv.integrations.vllm.messages import Load, Save

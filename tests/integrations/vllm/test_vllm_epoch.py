@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("grpc", reason="radixkv's server needs grpcio")
 
-from gpu_pool.layout import KVLayout  # noqa: E402
+from kvpool.layout import KVLayout  # noqa: E402
 from radixkv.client.client import STORE_ALL, Client  # noqa: E402
 from radixkv.integrations.link import Link  # noqa: E402
 from radixkv.integrations.vllm.messages import Load, Save  # noqa: E402

@@ -30,7 +30,7 @@ SPAWN = multiprocessing.get_context("spawn")
 
 def cuda_ready() -> bool:
     try:
-        from gpu_pool.cuda import is_available
+        from kvpool.cuda import is_available
     except ImportError:
         return False
     return bool(is_available() and torch.cuda.is_available())

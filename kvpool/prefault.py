@@ -16,7 +16,7 @@ import logging
 import mmap
 import threading
 
-log = logging.getLogger("gpu_pool.prefault")
+log = logging.getLogger("kvpool.prefault")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 CHUNK = 64 << 20  # bytes per call: a closed mapping stops the thread within one chunk

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_pool.errors import InvalidArgument, as_index
-from gpu_pool.layout import KVLayout
-from gpu_pool.sizing import check_window_region, slab_bytes, slab_shape, slab_strides
+from kvpool.errors import InvalidArgument, as_index
+from kvpool.layout import KVLayout
+from kvpool.sizing import check_window_region, slab_bytes, slab_shape, slab_strides
 
 BACKENDS = ("host", "cuda")
 

@@ -1,4 +1,4 @@
-"""gpu_pool: one slab of memory cut into fixed-size KV blocks, shared zero-copy between the
+"""kvpool: one slab of memory cut into fixed-size KV blocks, shared zero-copy between the
 service that owns it and the engines that attach it. Backends: `host` (POSIX shared memory) and
 `cuda` (one device allocation shared with CUDA IPC; CuPy imported only when used).
 
@@ -16,14 +16,14 @@ calculator), `copy` and `quant` (the kernels), `codecs` (block formats), `handle
 Importing it imports neither CuPy nor torch.
 """
 
-from gpu_pool.base import BlockPool, PoolMapping
-from gpu_pool.copy import gather, scatter
-from gpu_pool.errors import PoolError
-from gpu_pool.factory import attach, create_pool
-from gpu_pool.handle import BACKENDS, PoolHandle
-from gpu_pool.host import install_signal_cleanup, reclaim_stale_segments, unlink_owned_segments
-from gpu_pool.layout import KVLayout
-from gpu_pool.sizing import num_blocks_for, slab_shape, slab_strides
+from kvpool.base import BlockPool, PoolMapping
+from kvpool.copy import gather, scatter
+from kvpool.errors import PoolError
+from kvpool.factory import attach, create_pool
+from kvpool.handle import BACKENDS, PoolHandle
+from kvpool.host import install_signal_cleanup, reclaim_stale_segments, unlink_owned_segments
+from kvpool.layout import KVLayout
+from kvpool.sizing import num_blocks_for, slab_shape, slab_strides
 
 __all__ = [
     "BACKENDS",

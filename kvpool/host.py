@@ -37,24 +37,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpu_pool.base import BlockPool, PoolMapping
-from gpu_pool.errors import (
+from kvpool.base import BlockPool, PoolMapping
+from kvpool.errors import (
     InvalidArgument,
     OutOfBlocks,
     PermissionDenied,
     StalePool,
     Unavailable,
 )
-from gpu_pool.handle import PoolHandle, pid_alive
-from gpu_pool.layout import KVLayout
-from gpu_pool.prefault import Prefault
-from gpu_pool.slab import Slab
-from gpu_pool.units import format_bytes
+from kvpool.handle import PoolHandle, pid_alive
+from kvpool.layout import KVLayout
+from kvpool.prefault import Prefault
+from kvpool.slab import Slab
+from kvpool.units import format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily, on the first torch view
     import torch
 
-log = logging.getLogger("gpu_pool.host")
+log = logging.getLogger("kvpool.host")
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
@@ -331,7 +331,7 @@ def _finalize_owner(path: str, owner_pid: int, fd: int) -> None:
 
 class HostPoolMapping(_MappedBytes, PoolMapping):
     """An attaching process's mapping of a host pool. Never unlinks anything. With `prefault`
-    (the default) its pages are mapped in ahead of use, in the background (gpu_pool/prefault.py:
+    (the default) its pages are mapped in ahead of use, in the background (kvpool/prefault.py:
     a first copy then does not pay a page fault per 4 KiB)."""
 
     def __init__(self, handle: PoolHandle, shm_dir: str = SHM_DIR, prefault: bool = True

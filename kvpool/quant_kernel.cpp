@@ -1,10 +1,10 @@
-// Quantized KV blocks on the CPU: gpu_pool/quant.py's gather (dequantize on read) and scatter
+// Quantized KV blocks on the CPU: kvpool/quant.py's gather (dequantize on read) and scatter
 // (quantize on write) as loops over each (block, layer), on torch's threads: gather reads a
 // block's row and writes model-dtype K/V in one pass; scatter finds every range first (and
 // refuses NaN / Inf, and scales beyond fp16, before writing anything), then writes scales and
 // codes. The torch ops in quant.py are the reference: the same arithmetic in the same order, in
 // fp32, rounding half to even, so bytes and values are the same bit for bit
-// (tests/pool/test_quant_kernel.py). Built and loaded by gpu_pool/quant_kernel.py.
+// (tests/pool/test_quant_kernel.py). Built and loaded by kvpool/quant_kernel.py.
 //
 // The loops are plain C++ that the compiler vectorizes: fp16 / bf16 conversions are written
 // branch-free (as c10::Half does them; F16C / AVX-512 instructions where the CPU has them), and
@@ -74,7 +74,7 @@ struct BF16 {  // c10::BFloat16: round to nearest even, NaN -> 0x7FC0
   }
 };
 
-enum Dtype : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2 };  // gpu_pool/quant_kernel.py DTYPE_CODES
+enum Dtype : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2 };  // kvpool/quant_kernel.py DTYPE_CODES
 
 template <typename Fn>
 void dispatch(int64_t dtype, Fn&& fn) {
@@ -160,7 +160,7 @@ typename E::T magnitude(typename E::T x) {
   return typename E::T(x & (std::numeric_limits<typename E::T>::max() >> 1));
 }
 
-// The layout, as gpu_pool/quant_kernel.py's format_of lists it.
+// The layout, as kvpool/quant_kernel.py's format_of lists it.
 struct Format {
   int64_t L, B, H, D, bits, group, key_channel, sinks, model, quant_bytes;
   int64_t data, scale[2], zero[2];  // byte offsets in a row; [0] keys, [1] values

@@ -29,9 +29,9 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gpu_pool import quant_kernel
-from gpu_pool.errors import InvalidArgument
-from gpu_pool.layout import KVLayout
+from kvpool import quant_kernel
+from kvpool.errors import InvalidArgument
+from kvpool.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch

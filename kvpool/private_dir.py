@@ -1,4 +1,4 @@
-"""Directories and files only this user controls: the kernel build cache (gpu_pool/quant_kernel.py)
+"""Directories and files only this user controls: the kernel build cache (kvpool/quant_kernel.py)
 and the model cache (radixkv/engines/models.py) load code and weights from them, so another
 local user who could write there could run code in an engine's process.
 
@@ -14,7 +14,7 @@ import os
 import stat
 from pathlib import Path
 
-from gpu_pool.errors import PermissionDenied
+from kvpool.errors import PermissionDenied
 
 
 def check_private(path: Path, what: str) -> None:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_pool.errors import InvalidArgument
-from gpu_pool.window import check_window, every
+from kvpool.errors import InvalidArgument
+from kvpool.window import check_window, every
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF `layer_types` values
 

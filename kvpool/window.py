@@ -1,5 +1,5 @@
 """Sliding-window attention as a value (`SlidingWindow`: the window, its layers) and the
-`--window-layers` spec that names the layers (a Hugging Face config's fields: gpu_pool/models.py).
+`--window-layers` spec that names the layers (a Hugging Face config's fields: kvpool/models.py).
 
 Hugging Face convention: a windowed layer with window W lets a query attend to itself and the
 W - 1 tokens before it, so resuming a prompt at position p needs that layer's KV of positions
@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gpu_pool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument
 
 
 def check_window(value: object, source: str = "sliding window") -> int:

@@ -1,7 +1,7 @@
 """The fused CPU codec for quantized blocks (quant_kernel.cpp): built on first use, then loaded
-(gpu_pool/jit.py: the cache directory, its key and lock, the trust rules).
+(kvpool/jit.py: the cache directory, its key and lock, the trust rules).
 
-gpu_pool/quant.py's torch ops stay the reference and the fallback: CUDA tensors, K/V of
+kvpool/quant.py's torch ops stay the reference and the fallback: CUDA tensors, K/V of
 another dtype than fp32/fp16/bf16, `RADIXKV_NO_KERNEL=1`, and any machine where the extension
 cannot be built (no compiler, no ninja), which is logged once and never fails a call. Loading
 registers torch.ops.radixkv_quant.
@@ -15,16 +15,16 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool import jit
-from gpu_pool.jit import cache_dir, disabled
-from gpu_pool.layout import KVLayout
+from kvpool import jit
+from kvpool.jit import cache_dir, disabled
+from kvpool.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["cache_dir", "disabled", "ops", "usable", "format_of", "build_dir", "KERNEL"]
 
-log = logging.getLogger("gpu_pool.quant_kernel")
+log = logging.getLogger("kvpool.quant_kernel")
 
 SOURCE = Path(__file__).with_name("quant_kernel.cpp")
 NAME = "radixkv_quant"

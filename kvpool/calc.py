@@ -1,14 +1,14 @@
 """The memory calculator behind `radixkv calc`: what a model's KV costs at each dtype, and for a
 sliding-window model what a cached conversation costs when its windowed layers keep only their
-window (gpu_pool/layout.py `conversation_bytes`) against every layer kept in full."""
+window (kvpool/layout.py `conversation_bytes`) against every layer kept in full."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpu_pool.layout import KVLayout
-from gpu_pool.units import format_bytes
+from kvpool.layout import KVLayout
+from kvpool.units import format_bytes
 
 QUANT_SCHEMES = {
     "fp32": "-",
@@ -21,7 +21,7 @@ QUANT_SCHEMES = {
 CAPTION = ("scales are fp16 and live in each block. int8: symmetric, one scale per token per "
            "kv_head. int4: asymmetric (scale + minimum), keys per channel over a block's tokens, "
            "values per token per kv_head. A context's first 4 tokens (attention sinks) stay in "
-           "the model dtype (gpu_pool/quant.py).")
+           "the model dtype (kvpool/quant.py).")
 
 
 @dataclass(frozen=True, slots=True)

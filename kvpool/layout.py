@@ -1,12 +1,12 @@
 """The geometry of one model's KV cache cut into blocks (`KVLayout`) and its byte math.
-Allocates nothing. Where a geometry comes from (presets, a Hugging Face config): gpu_pool/models.py;
-byte units: gpu_pool/units.py (both re-exported here).
+Allocates nothing. Where a geometry comes from (presets, a Hugging Face config): kvpool/models.py;
+byte units: kvpool/units.py (both re-exported here).
 
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
 LLaMA-3-70B (80 layers, 8 KV heads, head_dim 128, bf16): 2 x 80 x 8 x 128 x 2 = 327,680 B/token.
 
 Quantized dtypes (int8, int4) also store fp16 scales inside each block, and the byte math counts
-them segment by segment (`KVLayout.segments`; the codecs: gpu_pool/codecs.py):
+them segment by segment (`KVLayout.segments`; the codecs: kvpool/codecs.py):
   int8  symmetric, one scale per (token, kv_head, group of `group_size` elements; 0: the head)
   int4  asymmetric (scale + minimum), two values a byte; keys per channel over the block's tokens
         (`key_scales="channel"`, KIVI) or per token groups ("token"); values per token groups.
@@ -14,12 +14,12 @@ them segment by segment (`KVLayout.segments`; the codecs: gpu_pool/codecs.py):
 live in sink blocks, a region of the pool whose blocks carry them after the quantized part.
 
 Sliding-window attention (`sliding_window` W on `window_layers`, as a value `KVLayout.window`;
-gpu_pool/window.py reads the layers from a flag, gpu_pool/models.py from a model config): a
+kvpool/window.py reads the layers from a flag, kvpool/models.py from a model config): a
 windowed layer needs only the KV of the last W - 1 tokens before the resume point,
 ceil((W - 1) / block_size) blocks, while full layers need every block. Each layer is an equal
 share of a block (every segment has the layer as its first axis), so `full_bytes_per_block` +
 `window_bytes_per_block` = `bytes_per_block`; `conversation_bytes` counts a cached conversation
-both ways. A windowed pool stores the two kinds apart (gpu_pool/slab.py): full parts and window
+both ways. A windowed pool stores the two kinds apart (kvpool/slab.py): full parts and window
 parts, each laid out as a plain layout of its own layers (`full_part()`, `window_part()`), so
 the block codecs work on either unchanged.
 """
@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from gpu_pool.errors import InvalidArgument
-from gpu_pool.models import PRESET_MODELS, ModelGeometry, geometry_from_hf_config
-from gpu_pool.units import format_bytes, parse_bytes
-from gpu_pool.window import SlidingWindow, check_window, parse_window_layers
+from kvpool.errors import InvalidArgument
+from kvpool.models import PRESET_MODELS, ModelGeometry, geometry_from_hf_config
+from kvpool.units import format_bytes, parse_bytes
+from kvpool.window import SlidingWindow, check_window, parse_window_layers
 
 __all__ = ["DTYPE_BITS", "KEY_SCALES", "MODEL_DTYPES", "PRESETS", "QUANTIZED", "SCALE_BYTES",
            "SINK_TOKENS", "KVLayout", "format_bytes", "parse_bytes"]
@@ -355,7 +355,7 @@ class KVLayout:
 
     @classmethod
     def from_geometry(cls, geometry: ModelGeometry, block_size: int = 16) -> KVLayout:
-        """A model's geometry (gpu_pool/models.py) cut into blocks of `block_size` tokens."""
+        """A model's geometry (kvpool/models.py) cut into blocks of `block_size` tokens."""
         g = geometry
         return cls(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, block_size,
                    sliding_window=g.sliding_window, window_layers=g.window_layers)
@@ -376,11 +376,11 @@ class KVLayout:
         cls, config: dict[str, Any] | str | Path, dtype: str | None = None, block_size: int = 16
     ) -> KVLayout:
         """Build from a Hugging Face `config.json` (a dict or a path; what is read:
-        gpu_pool.models.geometry_from_hf_config); dtype from torch_dtype unless given."""
+        kvpool.models.geometry_from_hf_config); dtype from torch_dtype unless given."""
         lay = cls.from_geometry(geometry_from_hf_config(config), block_size)
         return lay.with_dtype(dtype) if dtype else lay
 
 
-# The published architectures of gpu_pool/models.py at block size 16.
+# The published architectures of kvpool/models.py at block size 16.
 PRESETS: dict[str, KVLayout] = {name: KVLayout.from_geometry(g)
                                 for name, g in PRESET_MODELS.items()}

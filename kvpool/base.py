@@ -1,13 +1,13 @@
-"""The block pool's two sides over a slab (gpu_pool/slab.py: the regions, views and the
+"""The block pool's two sides over a slab (kvpool/slab.py: the regions, views and the
 engine-facing read/write):
 
 - `BlockPool` (the owner, one per service): owns the memory and the free lists, exports a
-  `PoolHandle` (gpu_pool/handle.py), and releases the memory on `close()`.
+  `PoolHandle` (kvpool/handle.py), and releases the memory on `close()`.
 - `PoolMapping` (an attaching process, e.g. an engine): maps the same memory from a handle, with
   the same zero-copy views and no free list.
 
-The backends (gpu_pool/host.py, gpu_pool/cuda.py) subclass both; `create_pool` and `attach`
-(gpu_pool/factory.py) pick one. The pool knows no tokens, trees or leases.
+The backends (kvpool/host.py, kvpool/cuda.py) subclass both; `create_pool` and `attach`
+(kvpool/factory.py) pick one. The pool knows no tokens, trees or leases.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from gpu_pool.errors import IntegrityError, InvalidArgument, OutOfBlocks, as_index
-from gpu_pool.handle import BACKENDS, PoolHandle
-from gpu_pool.layout import KVLayout
-from gpu_pool.sizing import check_window_region, slab_bytes
-from gpu_pool.slab import Slab
+from kvpool.errors import IntegrityError, InvalidArgument, OutOfBlocks, as_index
+from kvpool.handle import BACKENDS, PoolHandle
+from kvpool.layout import KVLayout
+from kvpool.sizing import check_window_region, slab_bytes
+from kvpool.slab import Slab
 
 __all__ = ["BACKENDS", "BlockPool", "PoolHandle", "PoolMapping"]
 

@@ -1,12 +1,12 @@
 """The slab: one region of memory cut into fixed-size KV blocks, and its typed zero-copy views,
-shared by the owner (`BlockPool`, gpu_pool/base.py) and the attaching side (`PoolMapping`).
+shared by the owner (`BlockPool`, kvpool/base.py) and the attaching side (`PoolMapping`).
 
     slab (block-major, contiguous; block b starts at b * bytes_per_block)
     +-----------+-----------+-----+-------------+--------------+
     | block 0   | block 1   | ... | sink region | page / 2 MiB |  <- padding to the backend's
     +-----------+-----------+-----+-------------+--------------+     allocation granule
     one block = [layers, 2 (K, V), block_size, kv_heads, head_dim] in the layout's dtype, or
-    uint8 [bytes_per_block] of values and scales for int8/int4 (gpu_pool/codecs.py)
+    uint8 [bytes_per_block] of values and scales for int8/int4 (kvpool/codecs.py)
 
 A sliding-window layout's pool holds two regions in one id space, each block a plain layout of
 its own layers (`KVLayout.full_part()`, `window_part()`), so the codecs work on either:
@@ -18,7 +18,7 @@ A full part is a cached block position's KV of the full-attention layers, a wind
 same position's KV of the windowed layers; the two are allocated and freed apart (`alloc`,
 `alloc_window`). All-windowed layouts (Mistral-7B-v0.1) have 0-byte full parts: their F ids
 still name block positions but take no memory. How many of each a memory budget buys:
-gpu_pool/sizing.py.
+kvpool/sizing.py.
 
 The engine-facing API is `read`/`write` (full parts, or every block of a pool without a
 window) and `read_window`/`write_window`: engine-layout K/V in and out for every block format,
@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
-from gpu_pool.codecs import BlockCodec, codec_for
-from gpu_pool.errors import InvalidArgument, as_index
-from gpu_pool.layout import KVLayout
+from kvpool.codecs import BlockCodec, codec_for
+from kvpool.errors import InvalidArgument, as_index
+from kvpool.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch

@@ -2,9 +2,9 @@
 engine-layout K/V (`gather`) and back (`scatter`). One codec per format:
 
     PlainCodec   fp32 / fp16 / bf16 / fp8   [n, layers, 2, block_size, kv_heads, head_dim]
-                                            copied as they are (gpu_pool/copy.py)
+                                            copied as they are (kvpool/copy.py)
     Int8Codec    int8, symmetric            uint8 [n, bytes_per_block]: values and scales,
-    Int4Codec    int4, asymmetric           (de)quantized on the way (gpu_pool/quant.py)
+    Int4Codec    int4, asymmetric           (de)quantized on the way (kvpool/quant.py)
 
 The engine side of both directions is the same for every format: k, v of
 [layers, tokens, kv_heads, head_dim], tokens = len(block_ids) x block_size, in block order.
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gpu_pool import copy, quant
-from gpu_pool.layout import KVLayout
+from kvpool import copy, quant
+from kvpool.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch

@@ -1,12 +1,12 @@
 """The pool's byte math, for the owner, attaching processes and the tools that size a pool:
 the slab's shape, strides and bytes, the sink region's share, how many blocks fit in memory, and
-how a sliding-window pool splits its memory between full parts and window parts (gpu_pool/slab.py
+how a sliding-window pool splits its memory between full parts and window parts (kvpool/slab.py
 describes the regions). Allocates nothing."""
 
 from __future__ import annotations
 
-from gpu_pool.errors import InvalidArgument, as_index
-from gpu_pool.layout import KVLayout
+from kvpool.errors import InvalidArgument, as_index
+from kvpool.layout import KVLayout
 
 ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 

@@ -27,11 +27,11 @@ import uuid
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool.base import BlockPool, PoolMapping
-from gpu_pool.errors import InvalidArgument, OutOfBlocks, StalePool, Unavailable
-from gpu_pool.handle import PoolHandle, pid_alive
-from gpu_pool.layout import KVLayout
-from gpu_pool.units import format_bytes
+from kvpool.base import BlockPool, PoolMapping
+from kvpool.errors import InvalidArgument, OutOfBlocks, StalePool, Unavailable
+from kvpool.handle import PoolHandle, pid_alive
+from kvpool.layout import KVLayout
+from kvpool.units import format_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpu_pool.errors import InvalidArgument, as_index
+from kvpool.errors import InvalidArgument, as_index
 
 if TYPE_CHECKING:
     import torch

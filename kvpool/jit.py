@@ -1,5 +1,5 @@
 """CPU kernels built on first use (torch C++ extensions), then loaded: the one build-and-load
-path of gpu_pool/quant_kernel.py and radixkv/integrations/pages_kernel.py.
+path of kvpool/quant_kernel.py and radixkv/integrations/pages_kernel.py.
 
 A kernel is compiled for this CPU into $RADIXKV_CACHE_DIR (default ~/.cache/radixkv)/kernels/
 <prefix>-<key>/, the key hashing the source, the flags, torch, Python and the CPU's features; a
@@ -8,7 +8,7 @@ registers torch.ops.<name>. `RADIXKV_NO_KERNEL=1` disables every kernel, and any
 one cannot be built (no compiler, no ninja) logs it once and the caller's torch ops serve.
 
 The key is no secret (anyone can compute it), so the cache is trusted only as far as this user
-controls it (gpu_pool/private_dir.py): its directories are created 0700, and one that another
+controls it (kvpool/private_dir.py): its directories are created 0700, and one that another
 user owns or that group or others may write, a library or marker there of the same kind, or a
 lock file that is a symlink, is refused: the torch ops then run instead, with a warning saying
 why. So does a library there that lacks the kernel's ops.
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpu_pool.private_dir import check_private, open_lock, private_dir
+from kvpool.private_dir import check_private, open_lock, private_dir
 
 
 def disabled() -> bool:

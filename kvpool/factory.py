@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gpu_pool.base import BlockPool, PoolMapping
-from gpu_pool.cuda import CudaBlockPool, attach_cuda
-from gpu_pool.errors import InvalidArgument, as_index
-from gpu_pool.handle import BACKENDS, PoolHandle
-from gpu_pool.host import HostBlockPool, attach_host
-from gpu_pool.layout import KVLayout
-from gpu_pool.sizing import (
+from kvpool.base import BlockPool, PoolMapping
+from kvpool.cuda import CudaBlockPool, attach_cuda
+from kvpool.errors import InvalidArgument, as_index
+from kvpool.handle import BACKENDS, PoolHandle
+from kvpool.host import HostBlockPool, attach_host
+from kvpool.layout import KVLayout
+from kvpool.sizing import (
     check_window_region,
     fit_blocks,
     fit_window_blocks,

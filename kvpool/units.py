@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpu_pool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument
 
 _UNITS = {
     "": 1, "b": 1,
