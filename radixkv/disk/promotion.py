@@ -6,9 +6,9 @@ as an Allocate would), checks each slot's CRC, inserts them in the tree and only
 the lease pins them like any hit, so an engine never reads a block whose promotion has not
 completed. A slot that fails its check is dropped and counted (`verify_failures`): the Match
 stops there, a miss, never wrong KV. The pool blocks, each of its slot's format (sink or
-regular), are reserved under the service lock (`plan`), read into straight from the file off
-it (`read`: os.preadv, no copy), and put in the tree under it again (`apply`); while reserved
-they are in no tree and no lease.
+regular), are reserved under the service lock (`plan`, then `reserve` once the service made
+room), read into straight from the file off it (`read`: os.preadv, no copy), and put in the
+tree under it again (`apply`); while reserved they are in no tree and no lease.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from radixkv.disk.index import DiskIndex, Entry
 from radixkv.disk.slots import ZERO_HASH, BlockKey, SlotFile, chain_hash
 from radixkv.disk.writer import SlotWriter
 from radixkv.index.results import InsertResult
-from radixkv.protocol.errors import OutOfBlocks
 from radixkv.service.kinds import Namespace
-from radixkv.service.tier import MakeRoom
 
 RUN_SLOTS = 4  # adjacent slots read by one os.preadv at most (4 MiB of 1 MiB blocks)
 
@@ -41,12 +39,18 @@ class Promotion:
     cached: int  # blocks of the prompt cached in the pool when planned (pinned by `handle`)
     handle: object
     taken: list[Entry]
-    ids: list[int]  # the pool blocks reserved for them, in the same order
+    ids: list[int]  # the pool blocks reserved for them, in the same order (`reserve`)
+    sinks: int = 0  # how many of them are sink-format blocks (the rest: regular)
     views: list[memoryview] = field(default_factory=list)  # where each payload goes
     good: int = 0  # blocks read and verified, from the first
     failed: bool = False  # the entry after the good ones failed its check
     busy: bool = False  # its slots are marked busy (DiskTier._busy) until its read is done
     live: bool = True  # not yet applied or abandoned (counted in DiskTier._promoting)
+
+    @property
+    def regular(self) -> int:
+        """Regular-format blocks it needs (`sinks` sink blocks besides)."""
+        return len(self.taken) - self.sinks
 
 class Promotions:
     """DiskTier's promotion calls (the tier's state, as DiskTier.__init__ sets it)."""
@@ -72,13 +76,13 @@ class Promotions:
     claimed: Callable[[Sequence[int]], None]
     inserted: Callable[[str, bytes, Sequence[int], InsertResult], None]
 
-    def plan(self, name: str, ns: Namespace | None, tokens: bytes,
-             make_room: MakeRoom) -> Promotion | None:
+    def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Promotion | None:
         """Under the service lock: the disk entries that continue `tokens`' cached prefix in
         namespace `name` (`ns`, None when it has no tree now; at most promote_blocks), taken
-        out of the index (their slots reserved), pool blocks reserved for them (`make_room`
-        evicts, so demotes, as an Allocate would; none when the pool has no room), and that
-        prefix pinned in the tree until `apply` or `abandon`. None: nothing to promote."""
+        out of the index (their slots reserved), and that prefix pinned in the tree until
+        `apply` or `abandon`. The service then makes room for the plan's `regular` and `sinks`
+        blocks (evicting, so demoting, as an Allocate would) and calls `reserve`. None:
+        nothing to promote."""
         if not self.index.has_namespace(name):
             return None
         bb, k, handle, parent = self._bb, 0, None, ZERO_HASH
@@ -105,32 +109,24 @@ class Promotions:
         if ns is not None:  # nothing may evict the prefix they extend meanwhile
             ns.tree.lock(handle, hit=False)
         sinks = sum(e.meta.sink for e in found)  # each block into a pool block of its format
-        try:
-            make_room(len(found) - sinks, sinks)
-            ids = self._alloc(found, sinks)
-        except OutOfBlocks:  # all pinned: the blocks stay on disk, this Match misses them
-            self._restore(found)
-            self._unmark_busy(found)
-            if ns is not None:
-                ns.tree.unlock(handle)
-            return None
-        plan = Promotion(name, ns, tokens, k, handle, found, ids, busy=True)
-        for entry, b in zip(found, ids, strict=True):
+        self._promoting[name] = self._promoting.get(name, 0) + 1
+        return Promotion(name, ns, tokens, k, handle, found, [], sinks=sinks, busy=True)
+
+    def reserve(self, plan: Promotion) -> None:
+        """Under the service lock, once the service made room: a pool block for each planned
+        entry, of its slot's format (a sink block for a sink-format payload, its first tokens
+        after the quantized part; a regular one for the rest). OutOfBlocks (nothing reserved):
+        the service abandons the plan, and the blocks stay on disk."""
+        got = self.pool.alloc(len(plan.taken), sinks=plan.sinks, exact=True)
+        self.claimed(got)  # (read into off the service lock)
+        sink_ids, regular_ids = iter(got[:plan.sinks]), iter(got[plan.sinks:])
+        plan.ids = [next(sink_ids if e.meta.sink else regular_ids) for e in plan.taken]
+        for entry, b in zip(plan.taken, plan.ids, strict=True):
             block = self.pool.block_bytes(b)
             if entry.meta.payload_len != len(block):  # not this block's format: read no further
                 break
             plan.views.append(block.data)
-        self._reserved.update((b, e.meta.sink) for b, e in zip(ids, found, strict=True))
-        self._promoting[name] = self._promoting.get(name, 0) + 1
-        return plan
-
-    def _alloc(self, entries: Sequence[Entry], sinks: int) -> list[int]:
-        """A pool block for each entry, of its slot's format: a sink block for a sink-format
-        payload (its first tokens after the quantized part), a regular one for the rest."""
-        got = self.pool.alloc(len(entries), sinks=sinks, exact=True)
-        self.claimed(got)  # (read into off the service lock)
-        sink_ids, regular_ids = iter(got[:sinks]), iter(got[sinks:])
-        return [next(sink_ids if e.meta.sink else regular_ids) for e in entries]
+        self._reserved.update((b, e.meta.sink) for b, e in zip(plan.ids, plan.taken, strict=True))
 
     def read(self, plans: Sequence[Promotion]) -> None:
         """Off the service lock: each plan's payloads read straight into its reserved pool

@@ -36,7 +36,7 @@ from radixkv.service.config import ServiceConfig
 from radixkv.service.events import EventLog
 from radixkv.service.inserts import Inserts
 from radixkv.service.inspection import Inspection
-from radixkv.service.kinds import Namespace, kind_of
+from radixkv.service.kinds import kind_of
 from radixkv.service.leases import Lease, LeaseTable
 from radixkv.service.namespaces import Namespaces
 from radixkv.service.tier import NoTier, SettlingLock
@@ -163,9 +163,7 @@ class KVService(Inserts, Inspection):
             plans: list[Any] = []
             try:
                 for (name, tokens), size in zip(queries, sizes, strict=True):
-                    ns = self._namespaces.get(name)
-                    plans.append(None if size else self._tier.plan(
-                        name, ns, tokens, functools.partial(self._make_room, ns)))
+                    plans.append(None if size else self._plan_promotion(name, tokens))
             except BaseException:
                 self._abandon(plans)
                 raise
@@ -294,9 +292,24 @@ class KVService(Inserts, Inspection):
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _make_room(self, ns: Namespace | None, regular: int, sinks: int) -> int:
-        """Room for a promotion: `regular` blocks of the regular region, `sinks` sink blocks."""
-        return self._reclaim.make_room(regular + sinks, keep=ns, sinks=sinks, regular=regular)
+    def _plan_promotion(self, name: str, tokens: bytes) -> Any:
+        """Under the lock: the tier's plan for one query, with room made and pool blocks
+        reserved for it; None when it has nothing, or when the pool has no room (all pinned:
+        the blocks stay below, the Match misses them)."""
+        ns = self._namespaces.get(name)
+        plan = self._tier.plan(name, ns, tokens)
+        if plan is None:
+            return None
+        try:
+            self._reclaim.make_room(plan.regular + plan.sinks, keep=ns, sinks=plan.sinks,
+                                    regular=plan.regular)
+            self._tier.reserve(plan)
+        except BaseException as e:
+            self._tier.abandon(plan)
+            if isinstance(e, OutOfBlocks):
+                return None
+            raise
+        return plan
 
     def _publish(self, namespace: str) -> None:
         self.events.publish(namespace, self._namespaces[namespace].tree.take_events())

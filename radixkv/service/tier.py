@@ -4,9 +4,10 @@ The service calls these, under its lock except `read`, `settle` and `sync_drops`
 asks which tier it has:
 
     plan       before a Match (under the lock): which blocks below continue the prompt's cached
-    read       prefix, and pool blocks reserved for them; then (off the lock) read them into
-    apply      those blocks; then (under the lock again, before the Match reads the tree)
-               insert them in the tree; `abandon` undoes a plan whose Match failed
+    reserve    prefix; the service makes room, then `reserve` takes pool blocks for them; then
+    read       (off the lock) read them into those blocks; then (under the lock again, before
+    apply      the Match reads the tree) insert them in the tree; `abandon` undoes a plan that
+               is not applied (no room, or its Match failed)
     demote     pool blocks the policy evicted, before they go back to the free list (their
     settle     bytes are copied out by `settle`, off the lock, on the same thread, before the
     claimed    call answers or reads into pool blocks); `claimed`: blocks taken from the free
@@ -26,7 +27,7 @@ that demoted can answer (or leave a copy owed that another call's `claimed` woul
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixkv.protocol.values import DiskStats
@@ -35,17 +36,18 @@ if TYPE_CHECKING:
     from radixkv.index.results import InsertResult
     from radixkv.service.kinds import Namespace
 
-MakeRoom = Callable[[int, int], int]  # (regular, sink blocks) -> blocks evicted; OutOfBlocks
-
 
 class NoTier:
     present = False  # False: no tier, so a Match plans nothing (and takes no extra lock round)
 
-    def plan(self, name: str, ns: Namespace | None, tokens: bytes, make_room: MakeRoom) -> Any:
+    def plan(self, name: str, ns: Namespace | None, tokens: bytes) -> Any:
         """What a Match of `tokens` in namespace `name` (`ns`: its tree, None if it has none
-        now) would bring up (None: nothing), with the pool blocks it will go to reserved
-        (`make_room` evicts for them)."""
+        now) would bring up (None: nothing); it needs `plan.regular` regular and `plan.sinks`
+        sink pool blocks, which the service makes room for before `reserve`."""
         return None
+
+    def reserve(self, plan: Any) -> None:
+        """Pool blocks for a plan (OutOfBlocks: none; the service abandons the plan)."""
 
     def read(self, plans: Sequence[Any]) -> None:
         """Read the plans' blocks into their reserved pool blocks (off the service lock)."""
