@@ -313,13 +313,7 @@ class RadixKVStore(FlatPages, HiCacheStorage):  # type: ignore[misc]
         restarted since its layout was checked, the new pool's layout is checked first
         (LayoutMismatch, after releasing, if it no longer fits: the link then refuses)."""
         m = client.match_keys(self.namespace, path, ttl=ttl, store=store)
-        if self.link.note_epoch(m.epoch):
-            try:
-                self._check(client)
-            except BaseException:
-                client.release(m.lease_id)
-                raise
-            self.link.confirm_epoch(m.epoch)
+        self.link.check_answer(client, m.epoch, lambda: client.release(m.lease_id))
         return m
 
     def _record(self, what: str, pages: int, seconds: float) -> None:
