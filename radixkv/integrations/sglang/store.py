@@ -311,7 +311,8 @@ class RadixKVStore(FlatPages, HiCacheStorage):  # type: ignore[misc]
                ttl: float = 0.0) -> LeaseMatch:
         """Match `path` in the namespace (a lease of `ttl` s; 0: radixkv's default). If radixkv
         restarted since its layout was checked, the new pool's layout is checked first
-        (LayoutMismatch, after releasing, if it no longer fits: the link then refuses)."""
+        (`Link.check_answer`: LayoutMismatch if it no longer fits, the link then refuses; Down
+        if radixkv restarted again meanwhile; either after releasing)."""
         m = client.match_keys(self.namespace, path, ttl=ttl, store=store)
         self.link.check_answer(client, m.epoch, lambda: client.release(m.lease_id))
         return m
