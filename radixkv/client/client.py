@@ -93,6 +93,7 @@ class Client:
         self._mapping: PoolMapping | None = None
         self._info: PoolInfo | None = None  # of the mapped pool (None: not fetched since start)
         self._epoch: str | None = None  # the newest pool epoch any answer carried
+        self._gone: set[str] = set()  # the epochs this client saw replaced by a newer one
         self.restarts = 0  # service restarts this client noticed (pool epoch changes)
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -159,6 +160,8 @@ class Client:
         log.warning("radixkv service restarted (pool epoch %s -> %s): re-attaching the pool; "
                     "leases and block ids from before are gone", self._epoch, epoch)
         self.restarts += 1
+        if self._epoch is not None:
+            self._gone.add(self._epoch)
         self._info = None
         if self._mapping is not None:
             self._mapping.close()
@@ -181,9 +184,13 @@ class Client:
         return self._mapping is not None
 
     def pool_of(self, epoch: str) -> PoolMapping:
-        """The pool mapping of `epoch`; StalePool if the service has restarted since (its
-        block ids and KV are gone)."""
+        """The pool mapping of `epoch`; StalePool if the service has restarted since (its block
+        ids and KV are gone). An epoch not heard of yet (another client, e.g. a scheduler's,
+        saw the restart first) costs one PoolInfo: if the service is at it, its pool is mapped."""
         mapping = self.pool()
+        if mapping.epoch != epoch and epoch not in self._gone:
+            self.check_epoch()
+            mapping = self.pool()
         if mapping.epoch != epoch:
             raise errors.StalePool(f"pool epoch {epoch} is gone: the service restarted (now "
                                    f"{mapping.epoch}); match the prompt again")

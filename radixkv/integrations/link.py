@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvpool import PoolMapping
 from radixkv.client import Client
 
 log = logging.getLogger("radixkv.integrations")
@@ -126,16 +127,6 @@ class Link:
                 self._down_since = None
         return result
 
-    def note_epoch(self, epoch: str) -> bool:
-        """An answer carried pool epoch `epoch`: if the service restarted since the layout
-        was checked, check the new pool's layout on the next call (and say so: True)."""
-        if self._checked_epoch is not None and epoch != self._checked_epoch:
-            self.log.warning("radixkv restarted (pool epoch %s -> %s): remapping its pool",
-                             self._checked_epoch, epoch)
-            self._checked_epoch = None
-            return True
-        return False
-
     def check_answer(self, client: Client, epoch: str,
                      release: Callable[[], object] | None = None) -> None:
         """Inside `call`, before an answer of pool epoch `epoch` is used (loaded from, saved
@@ -143,7 +134,10 @@ class Link:
         link then refuses) or Down (radixkv restarted again meanwhile), after `release()`."""
         if epoch == self._checked_epoch:
             return
-        self.note_epoch(epoch)
+        if self._checked_epoch is not None:
+            self.log.warning("radixkv restarted (pool epoch %s -> %s): remapping its pool",
+                             self._checked_epoch, epoch)
+            self._checked_epoch = None
         try:
             self._check(client)
             client.check_epoch()
@@ -156,9 +150,12 @@ class Link:
             raise
         self._checked_epoch = epoch
 
-    def confirm_epoch(self, epoch: str) -> None:
-        """The caller checked the layout of pool epoch `epoch` itself (after `note_epoch`)."""
-        self._checked_epoch = epoch
+    def checked_pool(self, client: Client, epoch: str) -> PoolMapping:
+        """Inside `call`: the pool mapping of `epoch` (`Client.pool_of`: StalePool if that pool
+        is gone), its layout checked if it is new to the link (as `check_answer`)."""
+        mapping = client.pool_of(epoch)
+        self.check_answer(client, epoch)
+        return mapping
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:

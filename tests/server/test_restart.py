@@ -66,3 +66,26 @@ def test_events_refuse_a_resume_across_epochs():
 def test_pool_info_carries_the_owner_pid():
     with running_server() as s, Client(s.socket) as kv:
         assert kv.pool_info().handle.owner_pid == s.proc.pid
+
+def test_pool_of_maps_an_epoch_another_client_saw_first():
+    """After a restart, one client (an engine's scheduler) learns the new epoch from a Match;
+    another (its worker), asked for that epoch's pool, maps it. An epoch it saw replaced is
+    refused with StalePool without a call, even with the service gone."""
+    with tempfile.TemporaryDirectory(prefix="rkv-") as d:
+        sock = os.path.join(d, "s.sock")
+        with running_server(socket_path=sock):
+            worker = Client(sock)
+            old = worker.pool().epoch
+        with running_server(socket_path=sock):
+            with Client(sock) as scheduler:
+                m = scheduler.match("ns", [1, 2, 3, 4])
+                scheduler.release(m.lease_id)
+            assert m.epoch != old and worker.restarts == 0
+            assert worker.pool_of(m.epoch).epoch == m.epoch
+            assert worker.restarts == 1 and worker.epoch == m.epoch
+            with pytest.raises(errors.StalePool, match="match the prompt again"):
+                worker.pool_of(old)
+        with pytest.raises(errors.StalePool, match="match the prompt again"):
+            worker.pool_of(old)  # known gone: no call (there is no service to answer one)
+        assert worker.pool_of(m.epoch).epoch == m.epoch  # mapped, still
+        worker.close()

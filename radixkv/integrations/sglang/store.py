@@ -311,15 +311,10 @@ class RadixKVStore(FlatPages, HiCacheStorage):  # type: ignore[misc]
                ttl: float = 0.0) -> LeaseMatch:
         """Match `path` in the namespace (a lease of `ttl` s; 0: radixkv's default). If radixkv
         restarted since its layout was checked, the new pool's layout is checked first
-        (LayoutMismatch, after releasing, if it no longer fits: the link then refuses)."""
+        (`Link.check_answer`: LayoutMismatch if it no longer fits, the link then refuses; Down
+        if radixkv restarted again meanwhile; either after releasing)."""
         m = client.match_keys(self.namespace, path, ttl=ttl, store=store)
-        if self.link.note_epoch(m.epoch):
-            try:
-                self._check(client)
-            except BaseException:
-                client.release(m.lease_id)
-                raise
-            self.link.confirm_epoch(m.epoch)
+        self.link.check_answer(client, m.epoch, lambda: client.release(m.lease_id))
         return m
 
     def _record(self, what: str, pages: int, seconds: float) -> None:

@@ -95,17 +95,6 @@ class WorkerSide:
             self._pages = pages
         return self._pages
 
-    def _mapping(self, client: Client, epoch: str) -> Any:
-        """The pool of `epoch` (StalePool: gone), its layout checked if it is new to the link
-        (LayoutMismatch: nothing is copied, the link refuses)."""
-        try:
-            mapping = client.pool_of(epoch)
-        except StalePool:
-            client.check_epoch()  # the scheduler saw the new epoch first: map it
-            mapping = client.pool_of(epoch)  # still StalePool: the lease's pool is gone
-        self.link.check_answer(client, epoch)
-        return mapping
-
     def _sync(self) -> None:
         if self.layers and self.layers[0].is_cuda:
             torch.cuda.current_stream(self.layers[0].device).synchronize()
@@ -120,7 +109,7 @@ class WorkerSide:
         ready: list[tuple[Load, torch.Tensor]] = []
         for ld in loads:
             def view_of(client: Client, ld: Load = ld) -> torch.Tensor:
-                return self._mapping(client, ld.epoch).view()  # type: ignore[no-any-return]
+                return self.link.checked_pool(client, ld.epoch).view()
 
             try:
                 view = self.link.call(view_of)
@@ -170,7 +159,7 @@ class WorkerSide:
             t0 = time.perf_counter()
 
             def run(client: Client, ld: Load = ld) -> bool:
-                mapping = self._mapping(client, ld.epoch)
+                mapping = self.link.checked_pool(client, ld.epoch)
                 self.pages().from_pool(self.layers, ld.pages, mapping.view(), ld.blocks)
                 self._sync()
                 return release_after_copy(client, ld.lease_id)
@@ -196,7 +185,7 @@ class WorkerSide:
             t0 = time.perf_counter()
 
             def run(client: Client, sv: Save = sv) -> bool:
-                mapping = self._mapping(client, sv.epoch)
+                mapping = self.link.checked_pool(client, sv.epoch)
                 try:  # ours for COPY_TTL_S more (the server's cap permitting): safe to write
                     try:
                         client.keep_alive(sv.lease_id, ttl=COPY_TTL_S)
