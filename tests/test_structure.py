@@ -250,7 +250,6 @@ CALLBACK_FREE = ("radixkv/service/tier.py", "radixkv/service/leases.py",
 CALLBACK_NAMES = ("Callable", "MakeRoom")  # a parameter typed with one is handed a callback
 ALLOWED_CALLBACKS = {  # may only shrink
     "clock",  # an injected clock, not a call back into the service
-    "add",  # kinds' add_result: a pb message's add, until the wire encodes LeaseMatch itself
     "radixkv/disk/promotion.py:Promotions.plan:make_room",  # room for a promotion
     "radixkv/service/tier.py:NoTier.plan:make_room",
 }

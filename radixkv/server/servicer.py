@@ -24,7 +24,7 @@ from radixkv.protocol.errors import (
     StalePool,
 )
 from radixkv.protocol.tokens import ids_from_bytes, ids_to_bytes
-from radixkv.protocol.wire import layout_pb, pool_info_pb, tree_node_pb
+from radixkv.protocol.wire import layout_pb, match_response_pb, pool_info_pb, tree_node_pb
 from radixkv.rpc.handlers import RpcObserver, abort, rpc
 from radixkv.service import KVService
 from radixkv.service.events import KVEvent
@@ -135,12 +135,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             request.lease_ttl_s or None, store if any(store) else None,
             [q.key_size for q in queries] if keyed else None,
             client=_client(context, request.client_id))
-        response = pb.MatchResponse(epoch=self.service.epoch)
-        add = response.results.add  # ~1.5 us less per result than building a list (upb)
-        add_result = self.service.kind.add_result  # the namespace kind writes its own answers
-        for o in outcomes:
-            add_result(add, o)
-        return response
+        return match_response_pb(outcomes, self.service.epoch)
 
     @rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
