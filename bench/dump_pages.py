@@ -27,6 +27,7 @@ import time
 from kvpool import create_pool
 from kvpool.layout import KVLayout
 from radixkv.protocol.tokens import to_token_bytes
+from radixkv.protocol.values import InsertItem
 from radixkv.service import KVService, ServiceConfig
 
 BS = 4
@@ -43,8 +44,8 @@ def build(num_nodes: int) -> KVService:
             for h in range(start, min(count, start + 512)):
                 tokens = to_token_bytes([h] * BS + [h + 1] * BS * (blocks - 1))
                 a = svc.allocate("bench", None, "ns", blocks)
-                items.append((a.lease_id, "ns", tokens, a.block_ids))
-            svc.insert_many("bench", items, release=[i[0] for i in items])
+                items.append(InsertItem(a.lease_id, "ns", tokens, a.block_ids))
+            svc.insert_many("bench", items, release=[i.lease_id for i in items])
     return svc
 
 

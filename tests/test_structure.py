@@ -250,7 +250,6 @@ CALLBACK_FREE = ("radixkv/service/tier.py", "radixkv/service/leases.py",
 CALLBACK_NAMES = ("Callable",)  # a parameter typed with one is handed a callback
 ALLOWED_CALLBACKS = {  # may only shrink
     "clock",  # an injected clock, not a call back into the service
-    "add",  # kinds' add_result: a pb message's add, until the wire encodes LeaseMatch itself
 }
 
 

@@ -1,7 +1,7 @@
 """The values that cross between an engine and the service: a Match's and an Allocate's answers,
-an Insert's result, a tree node's snapshot, the service's figures, and the pool a client maps.
-Frozen; nothing here imports the service, the server or the index, so the client side stands on
-this alone.
+an Insert's item and result, a tree node's snapshot, the service's figures, and the pool a
+client maps. Frozen; nothing here imports the service, the server or the index, so the client
+side stands on this alone.
 
 `InsertResult` and `NodeView` have the fields of radixkv.index.tree's (the service returns the
 tree's own; a client builds these from the wire)."""
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from kvpool.base import PoolHandle
     from kvpool.layout import KVLayout
 
@@ -50,6 +52,21 @@ class Allocation:
     num_evicted: int
     epoch: str = ""  # the pool's epoch: block ids are valid only in its mapping
     window_ids: tuple[int, ...] = ()  # window parts (windowed pools)
+
+
+@dataclass(frozen=True, slots=True)
+class InsertItem:
+    """One item of an Insert, as decoded from the wire and passed unchanged to the service:
+    `block_ids` (one per full block of `tokens`) leased to `lease_id` or already cached there,
+    committed into `namespace`'s tree."""
+
+    lease_id: int
+    namespace: str
+    tokens: bytes  # token ids (little-endian uint32), or block keys where key_size
+    block_ids: Sequence[int]
+    hint: str | int | None = None  # a retention hint for the node where tokens end
+    window_ids: Sequence[int] = ()  # windowed pools: window parts of the last blocks (HOLE: none)
+    key_size: int = 0  # key-keyed namespaces: tokens are block keys of this many bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import grpc
@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from kvpool import PoolHandle
 from kvpool.layout import KVLayout
 from radixkv.protocol.errors import ALL_ERRORS, InvalidArgument, LimitExceeded, RadixKVError
-from radixkv.protocol.tokens import ids_from_bytes
+from radixkv.protocol.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.protocol.values import LeaseMatch, NodeView, PoolInfo, WindowLeaseMatch
 from radixkv.v1 import radixkv_pb2 as pb
 
@@ -133,6 +133,27 @@ def match_results(resp: pb.MatchResponse) -> list[LeaseMatch]:
             LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
                        ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error)
             for r in resp.results]
+
+
+def match_response_pb(outcomes: Iterable[LeaseMatch], epoch: str) -> pb.MatchResponse:
+    """A Match's answers as its response: each LeaseMatch's fields, and the window parts of a
+    WindowLeaseMatch (fields left out are the proto's defaults: the same bytes on the wire)."""
+    response = pb.MatchResponse(epoch=epoch)
+    add = response.results.add  # ~1.5 us less per result than building a list (upb)
+    for o in outcomes:
+        if isinstance(o, WindowLeaseMatch):
+            add(lease_id=o.lease_id, num_tokens=o.num_tokens,
+                block_ids=ids_to_bytes(o.block_ids), new_block_ids=ids_to_bytes(o.new_block_ids),
+                num_evicted=o.num_evicted, alloc_error=o.alloc_error,
+                window_ids=ids_to_bytes(o.window_ids),
+                new_window_ids=ids_to_bytes(o.new_window_ids))
+        elif o.new_block_ids or o.alloc_error:
+            add(lease_id=o.lease_id, num_tokens=o.num_tokens,
+                block_ids=ids_to_bytes(o.block_ids), new_block_ids=ids_to_bytes(o.new_block_ids),
+                num_evicted=o.num_evicted, alloc_error=o.alloc_error)
+        else:
+            add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids))
+    return response
 
 
 # ---- the pool layout and PoolInfo, both directions -------------------------------------------

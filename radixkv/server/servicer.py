@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -24,7 +24,8 @@ from radixkv.protocol.errors import (
     StalePool,
 )
 from radixkv.protocol.tokens import ids_from_bytes, ids_to_bytes
-from radixkv.protocol.wire import layout_pb, pool_info_pb, tree_node_pb
+from radixkv.protocol.values import InsertItem
+from radixkv.protocol.wire import layout_pb, match_response_pb, pool_info_pb, tree_node_pb
 from radixkv.rpc.handlers import RpcObserver, abort, rpc
 from radixkv.service import KVService
 from radixkv.service.events import KVEvent
@@ -74,6 +75,15 @@ def _data(q: pb.MatchQuery | pb.InsertItem) -> bytes:
     if q.keys and not q.key_size:
         raise InvalidArgument("keys need key_size (the bytes of one key)")
     return q.keys if q.key_size else q.tokens
+
+
+def _insert_items(items: Sequence[pb.InsertItem]) -> list[InsertItem]:
+    """An Insert's items as the service takes them (InvalidArgument for bad keys or ids)."""
+    keyed = any(item.key_size or item.keys for item in items)
+    return [InsertItem(item.lease_id, item.namespace, _data(item) if keyed else item.tokens,
+                       ids_from_bytes(item.block_ids), item.hint,
+                       ids_from_bytes(item.window_ids) if item.window_ids else (), item.key_size)
+            for item in items]
 
 
 def _owner(client_id: str) -> str:
@@ -135,12 +145,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             request.lease_ttl_s or None, store if any(store) else None,
             [q.key_size for q in queries] if keyed else None,
             client=_client(context, request.client_id))
-        response = pb.MatchResponse(epoch=self.service.epoch)
-        add = response.results.add  # ~1.5 us less per result than building a list (upb)
-        add_result = self.service.kind.add_result  # the namespace kind writes its own answers
-        for o in outcomes:
-            add_result(add, o)
-        return response
+        return match_response_pb(outcomes, self.service.epoch)
 
     @rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
@@ -162,15 +167,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             if item.epoch and item.epoch != epoch:
                 raise StalePool(f"blocks written under pool epoch {item.epoch}, but the service "
                                 f"restarted (epoch {epoch}): their KV is not in this pool")
-        keyed = any(item.key_size or item.keys for item in items)
-        outcomes, freed = self.service.insert_many(_owner(request.client_id), [
-            (item.lease_id, item.namespace, _data(item) if keyed else item.tokens,
-             ids_from_bytes(item.block_ids))
-            for item in items], [item.lease_id for item in items if item.release],
-            [item.hint for item in items],
-            [ids_from_bytes(item.window_ids) for item in items]
-            if any(item.window_ids for item in items) else None,
-            [item.key_size for item in items] if keyed else None)
+        outcomes, freed = self.service.insert_many(
+            _owner(request.client_id), _insert_items(items),
+            [item.lease_id for item in items if item.release])
         return pb.InsertResponse(results=[
             pb.InsertResult(adopted=ids_to_bytes(o.adopted), duplicates=ids_to_bytes(o.duplicates),
                             num_cached_tokens=o.num_cached_tokens,

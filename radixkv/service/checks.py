@@ -48,6 +48,15 @@ def hint_codes(hints: Sequence[str | int | None] | None, count: int) -> list[int
     return [parse_hint(h) for h in hints]
 
 
+def key_sizes_of(sizes: Sequence[int] | None, count: int) -> Sequence[int]:
+    """One key size per query (all 0, tokens, for None); InvalidArgument on a count mismatch."""
+    if sizes is None:
+        return [0] * count
+    if len(sizes) != count:
+        raise InvalidArgument(f"{len(sizes)} key sizes for {count} items")
+    return sizes
+
+
 class InputChecks:
     """The checks that depend on the service's limits and its pool's geometry."""
 

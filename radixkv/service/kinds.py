@@ -4,12 +4,13 @@ A namespace is one radix tree of token prefixes, its lifetime counters and its l
 count. What differs between a full-attention pool and a sliding-window one (on windowed pools
 each block has a full part and a window part that only the last window_blocks blocks of a
 resume need) lives here, in `Namespace` and its subclass `WindowNamespace`, as the index has
-`RadixTree` and `WindowedRadixTree`: match, plan_store, check_claims, insert, evict,
-evict_windows, count, end_lease, stats, nodes, add_result, span, blocks_to_store (each
-method's docstring says what it does). The service picks the kind once, from the pool's layout
-(`kind_of`), and never asks which one it has. A third kind, key-keyed (radixkv.service.keyed),
-names blocks by opaque keys instead of tokens: `Namespaces.open` makes one where a call gives
-keys.
+`RadixTree` and `WindowedRadixTree`: match, answer, plan_store, stored, check_claims, insert,
+evict, evicted, evict_windows, end_lease, stats, nodes, span, blocks_to_store (each method's
+docstring says what it does). A kind's Match answer is a value (LeaseMatch, or
+WindowLeaseMatch with its window parts) that radixkv.protocol.wire encodes; no kind knows the
+wire. The service picks the kind once, from the pool's layout (`kind_of`), and never asks
+which one it has. A third kind, key-keyed (radixkv.service.keyed), names blocks by opaque keys
+instead of tokens: `Namespaces.open` makes one where a call gives keys.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from radixkv.index.tree import RadixTree
 from radixkv.index.window_tree import WindowedRadixTree, WindowMatch
 from radixkv.protocol.errors import FailedPrecondition
 from radixkv.protocol.limits import HOLE
-from radixkv.protocol.tokens import block_bytes, ids_to_bytes, num_tokens
+from radixkv.protocol.tokens import block_bytes, num_tokens
 from radixkv.protocol.values import LeaseMatch, NamespaceStats, WindowLeaseMatch
 from radixkv.service.leases import Lease
 
@@ -91,16 +92,6 @@ class Namespace:
     def answer(self, lease_id: int, m: MatchResult, epoch: str) -> LeaseMatch:
         """The Match answer of the tree's match `m`."""
         return LeaseMatch(lease_id, m.num_tokens, m.block_ids, epoch)
-
-    @staticmethod
-    def add_result(add: Callable[..., Any], o: LeaseMatch) -> None:
-        """Add a Match answer to the response (`add`: its results' add)."""
-        if o.new_block_ids or o.alloc_error:
-            add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids),
-                new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
-                alloc_error=o.alloc_error)
-        else:
-            add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids))
 
     # ---- plan a store ------------------------------------------------------------------------
 
@@ -267,14 +258,6 @@ class WindowNamespace(Namespace):
         assert isinstance(m, WindowMatch)
         return WindowLeaseMatch(lease_id, m.num_tokens, m.block_ids, epoch,
                                 window_ids=m.window_ids)
-
-    @staticmethod
-    def add_result(add: Callable[..., Any], o: LeaseMatch) -> None:
-        assert isinstance(o, WindowLeaseMatch)
-        add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids),
-            new_block_ids=ids_to_bytes(o.new_block_ids), num_evicted=o.num_evicted,
-            alloc_error=o.alloc_error, window_ids=ids_to_bytes(o.window_ids),
-            new_window_ids=ids_to_bytes(o.new_window_ids))
 
     def plan_store(self, o: LeaseMatch, tokens: bytes, end: int, m: MatchResult) -> list[int]:
         """A request resumed at d stores the window parts of its last window_blocks blocks,

@@ -31,7 +31,7 @@ from radixkv.protocol.errors import (
 )
 from radixkv.protocol.values import Allocation, LeaseMatch
 from radixkv.service.allocator import Reclaimer
-from radixkv.service.checks import InputChecks, check_namespace, hint_codes
+from radixkv.service.checks import InputChecks, check_namespace, hint_codes, key_sizes_of
 from radixkv.service.config import ServiceConfig
 from radixkv.service.events import EventLog
 from radixkv.service.inserts import Inserts
@@ -105,7 +105,7 @@ class KVService(Inserts, Inspection):
         `alloc_error` and keeps its match (the batch does not fail). `key_sizes`: None or one
         per query, the bytes of each block key where that query gives keys (radixkv.service.keyed),
         0 where it gives tokens."""
-        sizes = self._key_sizes(key_sizes, len(queries))
+        sizes = key_sizes_of(key_sizes, len(queries))
         for (namespace, tokens), key_size in zip(queries, sizes, strict=True):
             check_namespace(namespace)
             self._checks.data(tokens, key_size)

@@ -16,6 +16,7 @@ from radixkv.index.hints import parse_hint
 from radixkv.index.policies import make_policy, policy_factory
 from radixkv.index.tree import RadixTree
 from radixkv.protocol.errors import InvalidArgument
+from radixkv.protocol.values import InsertItem
 from radixkv.replay.hints import session_hints
 
 
@@ -259,8 +260,9 @@ def test_service_integrity_with_adaptive_across_namespaces(seed):
                 full = min(len(ids), len(prompt) // 16)
                 release = [m.lease_id] if rng.random() < 0.8 else []
                 if full:
-                    svc.insert_many("e", [(m.lease_id, ns, prompt[: full * 16], ids[:full])],
-                                    release=release, hints=[hint])
+                    svc.insert_many(
+                        "e", [InsertItem(m.lease_id, ns, prompt[: full * 16], ids[:full], hint)],
+                        release=release)
                 if not release or not full:
                     open_leases.append(m.lease_id)
             else:

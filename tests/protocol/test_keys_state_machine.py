@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from radixkv.protocol.errors import FailedPrecondition, InvalidArgument
+from radixkv.protocol.values import InsertItem
 from radixkv.protocol.wire import STORE_ALL
 
 KEY = 32
@@ -75,8 +76,8 @@ class KeyMachine(RuleBasedStateMachine):
             return
         ids = m.block_ids + m.new_block_ids
         assert len(ids) == len(seq)
-        self.svc.insert_many("e", [(m.lease_id, NS, b"".join(seq), ids)], release=[m.lease_id],
-                             key_sizes=[KEY])
+        self.svc.insert_many("e", [InsertItem(m.lease_id, NS, b"".join(seq), ids, key_size=KEY)],
+                             release=[m.lease_id])
         self.follow_events()
         for i, b in enumerate(ids):
             self.cached[seq[:i + 1]] = b

@@ -10,6 +10,7 @@ from _server import running_server
 
 from radixkv.client import STORE_ALL, Client
 from radixkv.protocol import errors
+from radixkv.protocol.values import InsertItem
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def test_match_allocates_the_uncached_rest(svc):
     a = toks(*range(10))  # 2 full blocks + 2 tokens
     (m,) = svc.match_many("e", [("ns", a)], store_tokens=[10])
     assert (m.num_tokens, m.block_ids, m.new_block_ids, m.alloc_error) == (0, (), (0, 1), "")
-    results, freed = svc.insert_many("e", [(m.lease_id, "ns", a, m.new_block_ids)],
+    results, freed = svc.insert_many("e", [InsertItem(m.lease_id, "ns", a, m.new_block_ids)],
                                      release=[m.lease_id])
     assert results[0].adopted == (0, 1) and freed == {m.lease_id: 0}
     assert svc.stats().live_leases == 0
@@ -35,7 +36,7 @@ def test_match_allocates_the_uncached_rest(svc):
     (m,) = svc.match_many("e", [("ns", b)], store_tokens=[STORE_ALL])
     assert (m.block_ids, m.new_block_ids) == ((0, 1), (2, 3))
     # insert only one of the two: the other goes back to the free list with the release
-    results, freed = svc.insert_many("e", [(m.lease_id, "ns", b[:12 * 4], (0, 1, 2))],
+    results, freed = svc.insert_many("e", [InsertItem(m.lease_id, "ns", b[:12 * 4], (0, 1, 2))],
                                      release=[m.lease_id])
     assert results[0].adopted == (2,) and freed == {m.lease_id: 1}
     assert svc.pool.num_free == 5
@@ -55,7 +56,7 @@ def test_insert_can_release_only_its_own_leases(svc):
     m1, m2 = svc.match_many("e", [("ns", toks(*range(4))), ("ns", toks(*range(9, 13)))],
                             store_tokens=[4, 4])
     with pytest.raises(errors.InvalidArgument, match="only release the leases of its items"):
-        svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(4)), m1.new_block_ids)],
+        svc.insert_many("e", [InsertItem(m1.lease_id, "ns", toks(*range(4)), m1.new_block_ids)],
                         release=[m2.lease_id])
     assert svc.stats().cached_blocks == 0 and svc.stats().live_leases == 2
     svc.release("e", [m1.lease_id, m2.lease_id])

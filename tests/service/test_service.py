@@ -12,6 +12,7 @@ import pytest
 from _kv import fill, make_service, toks
 
 from radixkv.protocol import errors
+from radixkv.protocol.values import InsertItem
 
 
 def test_request_path_exact_ids(svc):
@@ -78,15 +79,15 @@ def test_insert_batch_is_all_or_nothing(svc):
     ids2 = svc.allocate("e", m2.lease_id, "ns", 2).block_ids
     bad = (ids2[0], 7)  # block 7 was never allocated to m2
     with pytest.raises(errors.PermissionDenied, match="block 7 is not allocated"):
-        svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
-                              (m2.lease_id, "ns", toks(*range(100, 108)), bad)])
+        svc.insert_many("e", [InsertItem(m1.lease_id, "ns", toks(*range(8)), ids1),
+                              InsertItem(m2.lease_id, "ns", toks(*range(100, 108)), bad)])
     assert svc.stats().cached_blocks == 0  # item 1 was not committed either
     with pytest.raises(errors.InvalidArgument, match="claimed by two items"):
-        svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
-                              (m1.lease_id, "ns", toks(*range(200, 208)), ids1)])
+        svc.insert_many("e", [InsertItem(m1.lease_id, "ns", toks(*range(8)), ids1),
+                              InsertItem(m1.lease_id, "ns", toks(*range(200, 208)), ids1)])
     assert svc.stats().cached_blocks == 0
-    out, _ = svc.insert_many("e", [(m1.lease_id, "ns", toks(*range(8)), ids1),
-                                   (m2.lease_id, "ns", toks(*range(100, 108)), ids2)])
+    out, _ = svc.insert_many("e", [InsertItem(m1.lease_id, "ns", toks(*range(8)), ids1),
+                                   InsertItem(m2.lease_id, "ns", toks(*range(100, 108)), ids2)])
     assert [r.adopted for r in out] == [ids1, ids2]
 
 
