@@ -265,6 +265,9 @@ def summarize(results: list[dict[str, object]], seconds: float) -> dict[str, flo
             "calls_per_s": len(lat) / seconds, "requests_per_s": requests / seconds}
 
 
+BARRIER_S = 0.2  # from handing a case to warm processes to their common start
+
+
 def run_rounds(n: int, cases: dict[str, tuple], seconds: float,  # type: ignore[type-arg]
                rounds: int) -> dict[str, list[dict[str, float]]]:
     """Each case (fn, [args per server replica]) on `n` client processes, interleaved over
@@ -276,12 +279,14 @@ def run_rounds(n: int, cases: dict[str, tuple], seconds: float,  # type: ignore[
     client processes (imports)."""
     out: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
     names = list(cases)
+    lead = 1.0  # the first tasks wait for the processes' imports
     with mp.get_context("spawn").Pool(n) as pool:
         for r in range(rounds + 1):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 fn, replicas = cases[name]
                 args = replicas[r % len(replicas)]
-                barrier_at = time.time() + 1.0  # the processes start timing together
+                barrier_at = time.time() + lead  # the processes start timing together
+                lead = BARRIER_S
                 results = pool.starmap(fn, [(*args, seconds, barrier_at)] * n)
                 if r:
                     out[name].append(summarize(results, seconds))

@@ -1,7 +1,8 @@
 """Shared test configuration: hypothesis profiles; the real model, loaded once per session.
 
-HYPOTHESIS_PROFILE picks one: "ci" (the default, also under CI=true) or "thorough". Without
-hypothesis installed (a lent GPU machine running scripts/gpu_check) there is nothing to set.
+HYPOTHESIS_PROFILE picks one: "ci" (the default, also under CI=true) or "thorough" (which also
+runs the tests marked `thorough`). Without hypothesis installed (a lent GPU machine running
+scripts/gpu_check) there is nothing to set.
 """
 
 from __future__ import annotations
@@ -22,11 +23,20 @@ else:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that loads the real model is `slow`, like those that boot vLLM, SGLang or etcd."""
+    """A test that loads the real model is `slow`, like those that boot vLLM, SGLang or etcd;
+    a `thorough` one runs only in the thorough profile."""
     for item in items:
         if "smollm2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("thorough") is not None:
+            item.add_marker(pytest.mark.slow)
+            if not THOROUGH:
+                item.add_marker(pytest.mark.skip(reason="the thorough profile's "
+                                                        "(HYPOTHESIS_PROFILE=thorough)"))
 
 
 @pytest.fixture(scope="session")

@@ -82,17 +82,23 @@ class Driver:
     def stderr(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def quit(self) -> None:
+        """Ask it to quit, not waiting (engines stopped together shut down side by side)."""
+        if self.proc.poll() is None and self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
     def close(self) -> None:
         """Ask it to quit; kill it after 60 s."""
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        self.quit()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self._stderr.close()
 
 

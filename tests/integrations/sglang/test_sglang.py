@@ -11,22 +11,16 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from _server import running_server, tiny_config_path
-from _sglang_workers import PAGE, Worker, leases_back_to, no_errors, start_workers, tokens
+from _sglang_workers import PAGE, Worker, leases_back_to, no_errors, tokens
 
 from radixkv.client import Client
 from radixkv.server.launch import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[dict[str, Worker]]:
-    yield from start_workers()
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])

@@ -15,22 +15,16 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from _server import running_server, tiny_config_path, wait_for
-from _sglang_workers import Worker, leases_back_to, no_errors, start_workers, tokens
+from _sglang_workers import Worker, leases_back_to, no_errors, tokens
 
 from radixkv.client import Client
 from radixkv.server.launch import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[dict[str, Worker]]:
-    yield from start_workers()
 
 
 def _server(d: str, *flags: str) -> Any:

@@ -13,21 +13,15 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from _server import running_server, tiny_config_path
-from _sglang_workers import Worker, leases_back_to, no_errors, start_workers, tokens
+from _sglang_workers import Worker, leases_back_to, no_errors, tokens
 
 from radixkv.server.launch import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[dict[str, Worker]]:
-    yield from start_workers()
 
 
 def test_a_get_answers_before_radixkv_processes_its_release(

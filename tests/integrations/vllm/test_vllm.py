@@ -109,9 +109,11 @@ def world(model_dir: str) -> Iterator[World]:
         try:
             yield w
         finally:
-            for engine in (w.a, w.b):
-                if engine is not None:
-                    engine.close()
+            engines = [e for e in (w.a, w.b) if e is not None]
+            for engine in engines:
+                engine.quit()
+            for engine in engines:
+                engine.close()
             if w.server is not None:
                 w.server.stop()
 
@@ -346,9 +348,56 @@ def test_a_restart_with_more_layers_loads_nothing(world: World) -> None:
     assert world.cached_blocks() == 3  # B saved nothing into the 60-layer pool
 
 
-def test_layout_mismatch_is_refused(model_dir: str, tmp_path: Path) -> None:
-    """radixkv serving another layout (fp32 KV, block size 16): vLLM refuses to start, the
-    message naming both layouts and the `radixkv serve` flags that fit."""
+REFUSE = r"""
+import sys
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from radixkv.integrations.vllm import RadixKVConnector
+from radixkv.integrations.link import LayoutMismatch
+config = EngineArgs(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=2048,
+                    kv_transfer_config=KVTransferConfig(
+                        kv_connector="RadixKVConnector", kv_role="kv_both",
+                        kv_connector_module_path="radixkv.integrations.vllm",
+                        kv_connector_extra_config={"socket": sys.argv[2]})).create_engine_config()
+for role in (KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER):
+    try:
+        RadixKVConnector(config, role)
+    except LayoutMismatch as e:
+        print(role.name, "refused:", e)
+    else:
+        print(role.name, "started")
+"""
+
+
+def test_layout_mismatch_is_refused_by_the_connector(model_dir: str, tmp_path: Path) -> None:
+    """radixkv serving another layout (fp32 KV, block size 16): the connector, built from
+    vLLM's own engine config for this model, refuses in both roles (vLLM's worker builds it at
+    start, so vLLM does not start: test_layout_mismatch_refuses_the_engine), the message naming
+    both layouts and the `radixkv serve` flags that fit."""
+    sock = str(tmp_path / "s.sock")
+    server = start_server(sock, "--model-config", str(Path(model_dir) / "config.json"),
+                          "--dtype", "fp32", "--block-size", "16", "--num-blocks", "8")
+    try:
+        out = subprocess.run([vllm_python(), "-c", REFUSE, model_dir, sock], capture_output=True,
+                             text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = [line for line in out.stdout.splitlines()  # (vLLM logs to stdout too)
+                 if line.startswith(("WORKER ", "SCHEDULER "))]
+        assert [line.split(" ", 1)[0] for line in lines] == ["WORKER", "SCHEDULER"], out.stdout
+        for line in lines:
+            assert " refused: " in line and "does not fit this vLLM model's KV" in line
+            assert "fp32, block_size 16" in line and "bf16, block_size 128" in line
+            assert "--dtype bf16 --block-size 128" in line
+    finally:
+        server.stop()
+
+
+@pytest.mark.thorough
+def test_layout_mismatch_refuses_the_engine(model_dir: str, tmp_path: Path) -> None:
+    """The same refusal inside a real vLLM engine's start: vLLM does not start, the message
+    naming both layouts and the `radixkv serve` flags that fit (a whole engine start)."""
     sock = str(tmp_path / "s.sock")
     server = start_server(sock, "--model-config", str(Path(model_dir) / "config.json"),
                           "--dtype", "fp32", "--block-size", "16", "--num-blocks", "8")
