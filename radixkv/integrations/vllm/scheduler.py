@@ -39,6 +39,12 @@ class Pending:
 def engine_layout(vllm_config: Any) -> KVLayout:
     """The KV layout radixkv's pool must have for this vLLM model (one block = one vLLM page)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if tp > 1 or pp > 1:  # each rank holds a shard of the KV, but the namespace is the engine's
+        raise LayoutMismatch(
+            f"vLLM runs with tensor_parallel_size {tp}, pipeline_parallel_size {pp}: the radixkv "
+            "connector keeps one engine's KV per namespace, not one rank's shard, so its ranks "
+            "would load each other's KV; run vLLM with tensor and pipeline parallelism 1")
     dtype = DTYPES.get(str(model.dtype))
     if dtype is None:
         raise LayoutMismatch(f"vLLM's model dtype {model.dtype} has no radixkv pool dtype")

@@ -355,7 +355,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 from radixkv.integrations.vllm import RadixKVConnector
 from radixkv.integrations.link import LayoutMismatch
+tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 config = EngineArgs(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=2048,
+                    tensor_parallel_size=tp,
                     kv_transfer_config=KVTransferConfig(
                         kv_connector="RadixKVConnector", kv_role="kv_both",
                         kv_connector_module_path="radixkv.integrations.vllm",
@@ -390,6 +392,30 @@ def test_layout_mismatch_is_refused_by_the_connector(model_dir: str, tmp_path: P
             assert " refused: " in line and "does not fit this vLLM model's KV" in line
             assert "fp32, block_size 16" in line and "bf16, block_size 128" in line
             assert "--dtype bf16 --block-size 128" in line
+    finally:
+        server.stop()
+
+
+def test_tensor_parallel_ranks_are_refused(model_dir: str, tmp_path: Path) -> None:
+    """vLLM with tensor parallelism 3 (one of SmolLM2's 3 KV heads per rank), radixkv serving
+    exactly one rank's layout: the connector still refuses, in both roles, as the ranks would
+    share one namespace and load each other's heads."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    shard = tmp_path / "shard.json"
+    shard.write_text(json.dumps(dict(config, num_key_value_heads=1)))
+    sock = str(tmp_path / "s.sock")
+    server = start_server(sock, "--model-config", str(shard), "--dtype", "bf16",
+                          "--block-size", str(BLOCK), "--num-blocks", "8")
+    try:
+        out = subprocess.run([vllm_python(), "-c", REFUSE, model_dir, sock, "3"],
+                             capture_output=True, text=True, cwd=REPO,
+                             env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = [line for line in out.stdout.splitlines()
+                 if line.startswith(("WORKER ", "SCHEDULER "))]
+        assert [line.split(" ", 1)[0] for line in lines] == ["WORKER", "SCHEDULER"], out.stdout
+        for line in lines:
+            assert " refused: " in line and "tensor_parallel_size 3" in line, line
     finally:
         server.stop()
 
