@@ -156,15 +156,20 @@ def test_human_views_render(server):
 
 
 def test_stats_watch_stops_cleanly_on_ctrl_c(server):
-    proc = subprocess.Popen([sys.executable, "-m", "radixkv", "stats", "--watch", "0.1",
-                             "--json", "--socket", server.socket], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "radixkv", "stats",
+                             "--watch", "0.1", "--json", "--socket", server.socket],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdout is not None
     first, second = proc.stdout.readline(), proc.stdout.readline()
     assert json.loads(first)["leases"] == json.loads(second)["leases"] == {"live": 2,
                                                                           "expired": 0}
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=10)
+    try:
+        _, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=10)
+        raise AssertionError(f"`stats --watch` did not stop on Ctrl-C:\n{err[-4000:]}") from None
     assert proc.returncode == 0 and err == ""
 
 

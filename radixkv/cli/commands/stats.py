@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from typing import Any
 
@@ -34,24 +35,36 @@ def run(args: argparse.Namespace) -> int:
 
 def watch(kv: Client, seconds: float, as_json: bool) -> int:
     """Reprint the summary every `seconds` until Ctrl-C (rich Live on a terminal; plain
-    reprints, or JSON lines, otherwise)."""
+    reprints, or JSON lines, otherwise). Ctrl-C only sets a flag, read between calls: an
+    interrupt raised inside a gRPC call could leave the channel unable to close."""
     from rich.console import Console
     from rich.live import Live
 
     console = Console()
+    stopped: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(1))
+
+    def pause() -> bool:
+        """Sleep `seconds` (in steps, so Ctrl-C is seen at once); False once it was pressed."""
+        end = time.monotonic() + seconds
+        while not stopped and time.monotonic() < end:
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+        return not stopped
+
     try:
         if as_json or not console.is_terminal:
-            while True:
+            while not stopped:
                 d = summary(kv)
                 if as_json:
                     print(json.dumps(d), flush=True)
                 else:
                     console.print(render_summary(d))
-                time.sleep(seconds)
+                pause()
+            return 0
         with Live(render_summary(summary(kv)), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(seconds)
+            while pause():
                 live.update(render_summary(summary(kv)), refresh=True)
-    except KeyboardInterrupt:
         return 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
