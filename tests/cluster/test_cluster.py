@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import pytest
-from _server import BLOCK_SIZE, tiny_flags, wait_for
+from _server import BLOCK_SIZE, wait_for
 
 from radixkv.client import Client
 from radixkv.cluster.follower import snapshot_hashes
@@ -23,19 +21,8 @@ from radixkv.protocol.errors import InvalidArgument, Unavailable
 from radixkv.rpc.etcd import Etcd, EtcdTarget
 from radixkv.rpc.membership import member_key
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("etcd") is None,
-                                reason="etcd is not installed (apt-get install etcd-server; "
-                                "scripts/bootstrap --tests does it)")]
-
 TTL = 2  # the members' --cluster-ttl
 NS = "chat@rev1"
-
-
-@pytest.fixture
-def flags():
-    directory = tempfile.mkdtemp(prefix="rkv-t-")
-    yield tiny_flags(directory)
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

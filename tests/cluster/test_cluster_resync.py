@@ -4,7 +4,6 @@ cursor, and sliding-window members indexed by what they can resume."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,14 +20,12 @@ from radixkv.rpc.etcd import Etcd, EtcdTarget
 from radixkv.rpc.membership import make_info, member_key
 from radixkv.v1 import radixkv_pb2_grpc
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")]
-
 NS = "chat@rev1"
 
 
 @pytest.fixture
 def flags(tmp_path):
+    """Members of 64 blocks (one test here swaps that count for its own)."""
     return tiny_flags(str(tmp_path), 64)
 
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from _server import BLOCK_SIZE, tiny_flags, wait_for
+from _server import BLOCK_SIZE, wait_for
 
 from radixkv.client import Client
 from radixkv.cluster.local import etcd_process, local_cluster, start_router
@@ -27,19 +27,8 @@ from radixkv.protocol import errors
 from radixkv.rpc.etcd import Etcd, EtcdTarget
 from radixkv.server.launch import start_server, wait_for_banner
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("etcd") is None,
-                                reason="etcd is not installed (apt-get install etcd-server; "
-                                "scripts/bootstrap --tests does it)")]
-
 TOKEN = "cluster-token-0123456789"
 NS = "chat@rev1"
-
-
-@pytest.fixture
-def flags():
-    directory = tempfile.mkdtemp(prefix="rkv-s-")
-    yield tiny_flags(directory)
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def prompt(head: int, blocks: int = 3) -> list[int]:

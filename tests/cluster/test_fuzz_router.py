@@ -14,7 +14,6 @@ count); a counted one adds one route to the member ranked first.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,9 +30,6 @@ from radixkv.cluster.local import local_cluster
 from radixkv.cluster.routed import RouterClient
 from radixkv.v1 import router_pb2 as pb
 from radixkv.v1 import router_pb2_grpc
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")]
 
 NS = "fuzz-a"
 OK_CODES = {"OK", "INVALID_ARGUMENT", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}
