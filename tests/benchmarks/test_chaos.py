@@ -1,11 +1,12 @@
-"""bench/chaos.py, CI-sized: ~30 s of verified replay from 3 client processes while clients are
-SIGKILLed mid-lease and the server (with a disk tier below its pool) is SIGKILLed and restarted on
-the same socket; and ~30 s of its cluster mode (etcd, 2 members, a router; members, the router
-and etcd SIGKILLed)."""
+"""bench/chaos.py, CI-sized: 15 s (120 s in the thorough profile) of verified replay from 3
+client processes while clients are SIGKILLed mid-lease and the server (with a disk tier below its
+pool) is SIGKILLed and restarted on the same socket; and 5 s more of its cluster mode (etcd,
+2 members, a router; members, the router and etcd SIGKILLed)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,10 @@ import pytest
 
 CHAOS = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+# CI-sized runs; the thorough profile soaks (HYPOTHESIS_PROFILE=thorough)
+SECONDS = 120 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 15
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SECONDS + 150)]
 
 
 def run_chaos(timeout: float, *flags: str) -> tuple[subprocess.CompletedProcess, dict, str]:
@@ -29,8 +33,8 @@ def run_chaos(timeout: float, *flags: str) -> tuple[subprocess.CompletedProcess,
 
 
 def test_chaos_short_run_keeps_every_hit_correct_and_leaks_nothing():
-    out, r, detail = run_chaos(150, "--seconds", "30", "--clients", "3", "--kill-every", "2",
-                               "--restart-every", "5", "--disk-blocks", "96")
+    out, r, detail = run_chaos(SECONDS + 120, "--seconds", str(SECONDS), "--clients", "3",
+                               "--kill-every", "2", "--restart-every", "4", "--disk-blocks", "96")
     assert r["mismatches"] == 0, detail
     assert (r["leaked_blocks"], r["leaked_leases"], r["shm_left"]) == (0, 0, 0), detail
     assert r["integrity"] == "ok" and r["integrity_failures"] == 0, detail
@@ -43,8 +47,9 @@ def test_chaos_short_run_keeps_every_hit_correct_and_leaks_nothing():
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed")
 def test_cluster_chaos_short_run_keeps_every_hit_correct_and_the_index_converges():
-    out, r, detail = run_chaos(170, "--cluster", "--members", "2", "--seconds", "30",
-                               "--clients", "2", "--kill-every", "3", "--restart-every", "4")
+    out, r, detail = run_chaos(SECONDS + 145, "--cluster", "--members", "2", "--seconds",
+                               str(SECONDS + 5), "--clients", "2", "--kill-every", "3",
+                               "--restart-every", "2")  # each of 3 fault kinds, twice or so
     assert r["mismatches"] == 0, detail
     assert (r["leaked_blocks"], r["leaked_leases"], r["shm_left"]) == (0, 0, 0), detail
     assert r["integrity"] == "ok" and r["converged"], detail
