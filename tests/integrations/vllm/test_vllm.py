@@ -2,8 +2,9 @@
 
 Two vLLM engines run in their own processes (radixkv.integrations.vllm.driver, with the vLLM
 venv's python, .venv-vllm from scripts/bootstrap_vllm), each loaded once for the module; the
-tests run in file order on one radixkv socket: B starts while radixkv is absent, A writes
-prefixes that B reuses, radixkv is SIGKILLed and restarted under them.
+tests run in file order on one radixkv socket: B starts while radixkv is absent (A loads beside
+it, each engine on its own CPU), A writes prefixes that B reuses, radixkv is SIGKILLed and
+restarted under them.
 
 B has no prefix cache of its own: its every hit is radixkv's. A keeps vLLM's own prefix cache,
 and A's answer from it is the reference for B's answer from radixkv: the same blocks cached,
@@ -14,6 +15,7 @@ arithmetic vLLM's own prefix cache answers some prompts differently from a full 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +23,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +73,7 @@ class World:
         self.server: ServerProcess | None = None
         self.a: Driver | None = None
         self.b: Driver | None = None
+        self._starting_a: Future[Driver] | None = None
         self.config = {"kv_connector": "RadixKVConnector",
                        "kv_connector_module_path": "radixkv.integrations.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -80,6 +84,21 @@ class World:
         self.server = start_server(self.socket, "--model-config", config, "--dtype", "bf16",
                                    "--block-size", str(BLOCK), "--num-blocks", "96", *flags)
         return self.server
+
+    def start_a(self) -> None:
+        """Start engine A (vLLM's own prefix cache on, CPU 0) in the background: it loads while
+        B does, each on its own CPU."""
+        if self.a is None and self._starting_a is None:
+            self._starting_a = ThreadPoolExecutor(1).submit(
+                Engine, self.model, self.config, "0", self.dir / "a.log", prefix_cache=True)
+
+    def engine_a(self) -> Driver:
+        """Engine A, once it has started."""
+        self.start_a()
+        if self.a is None:
+            assert self._starting_a is not None
+            self.a = self._starting_a.result()
+        return self.a
 
     def client(self) -> Client:
         return Client(self.socket)
@@ -109,6 +128,9 @@ def world(model_dir: str) -> Iterator[World]:
         try:
             yield w
         finally:
+            if w._starting_a is not None and w.a is None:  # a test failed while A started
+                with contextlib.suppress(BaseException):
+                    w.a = w._starting_a.result()
             engines = [e for e in (w.a, w.b) if e is not None]
             for engine in engines:
                 engine.quit()
@@ -193,6 +215,7 @@ def test_radixkv_absent_at_start_is_a_logged_fallback(world: World) -> None:
     """B starts with no radixkv on its socket: it serves (misses) and says why."""
     config = json.loads(json.dumps(world.config))  # B's own stats file
     config["kv_connector_extra_config"]["stats_file"] = str(world.dir / "b.jsonl")
+    world.start_a()  # (A is used from the next test on)
     world.b = Engine(world.model, config, "1", world.dir / "b.log")
     r = world.b.generate(SYSTEM + prompt(2, 50))
     assert r["cached"] == [0] and len(r["outputs"][0]) == 8
@@ -204,8 +227,10 @@ def test_cross_instance_reuse(world: World) -> None:
     counter and vLLM's external-hit count say so, and B's greedy tokens equal A's answer from
     vLLM's own prefix cache holding the same blocks (no connector involved)."""
     world.serve()
-    world.a = Engine(world.model, world.config, "0", world.dir / "a.log", prefix_cache=True)
+    world.engine_a()
+    assert world.a is not None
     first = SYSTEM + prompt(3, 60)
+    time.sleep(0.6)  # A started while radixkv was absent too: its link retries after retry_s
     ra = world.a.generate(first)
     assert ra["cached"] == [0]
     world.wait_stored(4)  # the 4 system blocks (+ none of the 60-token tail)
