@@ -367,7 +367,6 @@ LONG_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS: dict[str, int] = {
     "radixkv/cli/commands/replay.py:register": 84,
     "radixkv/cli/commands/serve.py:register": 107,
-    "radixkv/cli/commands/serve.py:run": 85,
     "radixkv/index/integrity.py:check_tree": 64,
     "radixkv/index/tree.py:RadixTree.insert": 67,
     "radixkv/index/window_tree.py:WindowedRadixTree.insert": 62,

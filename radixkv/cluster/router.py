@@ -62,12 +62,13 @@ class Router:
     """Start with start(); stop() stops every thread. Thread-safe."""
 
     def __init__(self, target: EtcdTarget, token: str | None = None,
-                 security: EtcdSecurity = NO_SECURITY) -> None:
+                 security: EtcdSecurity = NO_SECURITY, skip: str = "") -> None:
         """`token`: the cluster token; it guards this router's callers, is sent to members,
         and only member records signed with it are followed (without one, every record is
-        taken as is)."""
+        taken as is). `skip`: a node id not to follow (a member's own, for peer fetch)."""
         self.target = target
         self.token = token
+        self.skip = skip
         self.index = ClusterIndex()
         self.etcd = Etcd(target, security=security)
         self.started = time.monotonic()
@@ -150,6 +151,8 @@ class Router:
             self._join(node, value)
 
     def _join(self, node: str, value: bytes) -> None:
+        if node == self.skip:
+            return
         try:
             info = MemberInfo.from_json(value)
             if info.node_id != node:

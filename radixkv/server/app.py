@@ -65,6 +65,13 @@ class RadixKVServer:
         self.addresses: list[str] = []
         self.metrics_url: str | None = None
         self.registration: Any = None  # radixkv.rpc.membership.Registration, with --cluster
+        self.peer_fetch: Any = None  # radixkv.cluster.peer_fetch.PeerFetcher, with --peer-fetch
+
+    def attach_peer_fetch(self, fetcher: Any) -> None:
+        """Ask `fetcher` (started here, stopped by stop()) before every Match."""
+        self.peer_fetch = fetcher
+        fetcher.start()
+        self.servicer.peer_fetch = fetcher
 
     def _open_tier(self) -> NoTier | None:
         """The disk tier on --disk-dir (its index rebuilt from the file), or None."""
@@ -193,6 +200,9 @@ class RadixKVServer:
         self._stopped.set()
         if self.registration is not None:  # leave the cluster first: routers stop sending
             self.registration.stop()
+        if self.peer_fetch is not None:
+            self.servicer.peer_fetch = None
+            self.peer_fetch.stop()
         self.health.enter_graceful_shutdown()
         self.servicer.close()  # end Events streams now rather than at the end of the grace
         self._server.stop(grace).wait()

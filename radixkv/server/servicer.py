@@ -21,12 +21,15 @@ from radixkv.protocol.errors import (
     IntegrityError,
     InvalidArgument,
     LimitExceeded,
+    RadixKVError,
     StalePool,
 )
 from radixkv.protocol.tokens import ids_from_bytes, ids_to_bytes
 from radixkv.protocol.values import InsertItem
 from radixkv.protocol.wire import layout_pb, match_response_pb, pool_info_pb, tree_node_pb
 from radixkv.rpc.handlers import RpcObserver, abort, rpc
+from radixkv.server.peer_source import PeerSource
+from radixkv.server.peers import PeerCounters
 from radixkv.service import KVService
 from radixkv.service.events import KVEvent
 from radixkv.service.inspection import DUMP_PAGE
@@ -121,6 +124,10 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         self._integrity_lock = threading.Lock()
         self._integrity_next = 0.0  # monotonic time before which Stats refuses the check
         self._integrity_spent = 0.0  # seconds the last check took
+        self.peers = PeerCounters()  # peer fetch, both ways
+        self._source = PeerSource(service, self.peers)
+        # serve --peer-fetch: radixkv/cluster/peer_fetch.py's PeerFetcher, asked before a Match
+        self.peer_fetch: Any = None
 
     def close(self) -> None:
         """End open Events streams (at shutdown), so they do not hold up the grace period."""
@@ -138,6 +145,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         queries = _batch("Match: queries", request.queries)
         store = [q.store_tokens for q in queries]
         keyed = any(q.key_size or q.keys for q in queries)
+        if self.peer_fetch is not None and not keyed:
+            self.peer_fetch.fill([(q.namespace, q.tokens) for q in queries],
+                                 context.time_remaining() if context is not None else None)
         outcomes = self.service.match_many(
             _owner(request.client_id),
             [(q.namespace, _data(q)) for q in queries] if keyed else
@@ -200,7 +210,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
                     if f.name not in ("namespaces", "layout", "disk")}
         return pb.StatsResponse(
             **counters, integrity=integrity, layout=layout_pb(s.layout),
-            disk=pb.DiskStats(**dataclasses.asdict(s.disk)),
+            disk=pb.DiskStats(**dataclasses.asdict(s.disk)), peers=self.peers.stats_pb(),
             namespaces=[pb.NamespaceStats(**dataclasses.asdict(n),
                                           cached_tokens=n.cached_blocks * bs)
                         for n in s.namespaces])
@@ -247,6 +257,15 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         return pb.DumpTreeResponse(namespace=request.namespace, last_sequence=last,
                                    key_size=self.service.key_size(request.namespace),
                                    nodes=[tree_node_pb(n) for n in nodes])
+
+    def FetchBlocks(self, request: pb.FetchBlocksRequest,
+                    context: grpc.ServicerContext) -> Iterator[pb.FetchBlocksChunk]:
+        """A peer's fetch of cached blocks (radixkv/server/peer_source.py)."""
+        try:
+            yield from self._source.fetch(request, _client(context, request.client_id),
+                                          context.is_active)
+        except RadixKVError as e:
+            abort(context, "FetchBlocks", e)
 
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         """Consecutive events from `from_sequence` (0: from now on). If some were already

@@ -285,7 +285,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., nodes: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence", "window_blocks", "free_window_blocks", "cached_window_blocks", "disk")
+    __slots__ = ("backend", "layout", "num_blocks", "free_blocks", "leased_blocks", "cached_blocks", "pinned_blocks", "live_leases", "expired_leases", "requests", "query_tokens", "hit_tokens", "recent_requests", "recent_query_tokens", "recent_hit_tokens", "evicted_blocks", "uptime_s", "epoch", "namespaces", "integrity", "event_sequence", "window_blocks", "free_window_blocks", "cached_window_blocks", "disk", "peers")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,7 @@ class StatsResponse(_message.Message):
     FREE_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     layout: KVLayout
     num_blocks: int
@@ -336,7 +337,62 @@ class StatsResponse(_message.Message):
     free_window_blocks: int
     cached_window_blocks: int
     disk: DiskStats
-    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ..., window_blocks: _Optional[int] = ..., free_window_blocks: _Optional[int] = ..., cached_window_blocks: _Optional[int] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ...) -> None: ...
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStats]
+    def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ..., window_blocks: _Optional[int] = ..., free_window_blocks: _Optional[int] = ..., cached_window_blocks: _Optional[int] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ...) -> None: ...
+
+class PeerStats(_message.Message):
+    __slots__ = ("node_id", "blocks_in", "bytes_in", "blocks_out", "bytes_out", "fetches", "failures", "checksum_failures", "fetch_ms")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_OUT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    blocks_in: int
+    bytes_in: int
+    blocks_out: int
+    bytes_out: int
+    fetches: int
+    failures: int
+    checksum_failures: int
+    fetch_ms: float
+    def __init__(self, node_id: _Optional[str] = ..., blocks_in: _Optional[int] = ..., bytes_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., fetches: _Optional[int] = ..., failures: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., fetch_ms: _Optional[float] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("client_id", "node_id", "namespace", "tokens", "start_block", "layout", "chunk_bytes")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    node_id: str
+    namespace: str
+    tokens: bytes
+    start_block: int
+    layout: KVLayout
+    chunk_bytes: int
+    def __init__(self, client_id: _Optional[str] = ..., node_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., start_block: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchBlocksChunk(_message.Message):
+    __slots__ = ("epoch", "first_block", "data", "crc32", "num_blocks")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    first_block: int
+    data: bytes
+    crc32: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: int
+    def __init__(self, epoch: _Optional[str] = ..., first_block: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class DiskStats(_message.Message):
     __slots__ = ("capacity_blocks", "blocks", "bytes", "slot_bytes", "hit_tokens", "promoted_blocks", "demoted_blocks", "evicted_blocks", "verify_failures", "pending_writes", "loaded_blocks", "dropped_at_load", "generation", "state", "last_error", "write_errors")

@@ -84,6 +84,11 @@ class RadixKVStub:
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.ClearRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.ClearResponse.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_stream(
+                '/radixkv.v1.RadixKV/FetchBlocks',
+                request_serializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksChunk.FromString,
+                _registered_method=True)
 
 
 class RadixKVServicer:
@@ -161,6 +166,15 @@ class RadixKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Another member's peer fetch (radixkv/server/peer_source.py): the bytes of the cached blocks
+        of a prompt from start_block on, pinned while they are sent, each with its checksum.
+        FAILED_PRECONDITION before any byte when the caller's layout is not this pool's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RadixKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +227,11 @@ def add_RadixKVServicer_to_server(servicer, server):
                     servicer.Clear,
                     request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.ClearRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_radixkv__pb2.ClearResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -485,6 +504,33 @@ class RadixKV:
             '/radixkv.v1.RadixKV/Clear',
             radixkv_dot_v1_dot_radixkv__pb2.ClearRequest.SerializeToString,
             radixkv_dot_v1_dot_radixkv__pb2.ClearResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/radixkv.v1.RadixKV/FetchBlocks',
+            radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksRequest.SerializeToString,
+            radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -114,6 +114,15 @@ def register(sub: Any) -> None:
                    help="largest request accepted (64 MiB)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (127.0.0.1; 0 or absent: off)")
+    _add_cluster_flags(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop (as on SIGTERM) when the process that started this one exits; "
+                   "for tools that launch a server of their own (Linux)")
+    p.set_defaults(func=run)
+
+
+def _add_cluster_flags(p: Any) -> None:
     g = p.add_argument_group("cluster (radixkv/rpc/membership.py)")
     g.add_argument("--cluster", metavar="etcd://HOST:PORT[/NAME]",
                    help="register this server as a member of the cluster NAME (default "
@@ -126,11 +135,16 @@ def register(sub: Any) -> None:
                    help="the registration's etcd lease: a crashed member drops out after this "
                    "(5); a clean stop leaves at once")
     add_etcd_flags(g)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--exit-with-parent", action="store_true",
-                   help="stop (as on SIGTERM) when the process that started this one exits; "
-                   "for tools that launch a server of their own (Linux)")
-    p.set_defaults(func=run)
+    g.add_argument("--peer-fetch", action="store_true",
+                   help="with --cluster: before a Match, pull the blocks of the prompt that "
+                   "another member holds beyond what this one has (over its address, with the "
+                   "cluster token), so every member reuses every member's KV; host pools of "
+                   "one block format (docs/cluster.md)")
+    g.add_argument("--peer-fetch-min-blocks", type=positive_int, default=4, metavar="N",
+                   help="fetch only when a peer holds at least N blocks more than here (4)")
+    g.add_argument("--peer-fetch-timeout", type=positive_float, default=2.0, metavar="SECONDS",
+                   help="the longest a Match waits for peers (2; also at most 0.8 of the "
+                   "Match's own deadline); what arrived verified by then is used")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,8 +194,7 @@ def run(args: argparse.Namespace) -> int:
         cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
         cluster_ttl_s=args.cluster_ttl, etcd_security=etcd_security_from_args(args),
         **disk_settings(args))
-    if args.cluster and not args.node_id:
-        raise SystemExit("radixkv serve: --cluster needs --node-id")
+    _check_cluster_flags(args)
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
     config = replace(config, service=replace(
         config.service, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
@@ -193,28 +206,50 @@ def run(args: argparse.Namespace) -> int:
     if args.exit_with_parent:
         exit_with_parent()
 
-    def ready(server: object) -> None:
-        from kvpool.layout import format_bytes
+    return serve(config, lambda server: _ready(server, config, args))
 
-        pool = config.layout
-        where = ", ".join(server.addresses)  # type: ignore[attr-defined]
-        if not pool.is_windowed:
-            print(f"radixkv serving on {where}: {config.backend} pool, {config.num_blocks} "
-                  f"blocks x {format_bytes(pool.bytes_per_block)} ({pool.block_size} tokens "
-                  f"each), epoch {server.pool.epoch}", flush=True)  # type: ignore[attr-defined]
-            return
-        blocks = server.pool  # type: ignore[attr-defined]
-        full = blocks.num_full_blocks * pool.full_bytes_per_block
-        window = blocks.num_window_blocks * pool.window_bytes_per_block
-        print(f"radixkv serving on {where}: {config.backend} pool, {blocks.num_full_blocks} "
-              f"full parts x {format_bytes(pool.full_bytes_per_block)} + "
-              f"{blocks.num_window_blocks} window parts x "
-              f"{format_bytes(pool.window_bytes_per_block)} ({pool.block_size} tokens each), "
-              f"epoch {blocks.epoch}", flush=True)
-        print(f"sliding window {pool.sliding_window} on {len(pool.window_layers)} of "
-              f"{pool.num_layers} layers ({pool.window_pattern}): full parts "
-              f"{format_bytes(full)} for the full-attention layers, window parts "
-              f"{format_bytes(window)} for the windowed ones ({window / (full + window):.1%} "
-              "of the pool)", flush=True)
 
-    return serve(config, ready)
+def _check_cluster_flags(args: argparse.Namespace) -> None:
+    if args.cluster and not args.node_id:
+        raise SystemExit("radixkv serve: --cluster needs --node-id")
+    if args.peer_fetch and not args.cluster:
+        raise SystemExit("radixkv serve: --peer-fetch needs --cluster (the peers are its members)")
+
+
+def _attach_peer_fetch(server: Any, config: Any, args: argparse.Namespace) -> None:
+    from radixkv.cluster.peer_fetch import PeerFetchConfig, PeerFetcher
+    from radixkv.rpc.etcd import EtcdTarget
+
+    settings = PeerFetchConfig(config.node_id, EtcdTarget.parse(config.cluster),
+                               config.auth_token, config.etcd_security,
+                               args.peer_fetch_min_blocks, args.peer_fetch_timeout)
+    server.attach_peer_fetch(PeerFetcher(server.service, settings, server.servicer.peers))
+
+
+def _ready(server: Any, config: Any, args: argparse.Namespace) -> None:
+    """Once listening: peer fetch attached (--peer-fetch), then the banner tools wait for."""
+    from kvpool.layout import format_bytes
+
+    if args.peer_fetch:
+        _attach_peer_fetch(server, config, args)
+
+    pool = config.layout
+    where = ", ".join(server.addresses)
+    if not pool.is_windowed:
+        print(f"radixkv serving on {where}: {config.backend} pool, {config.num_blocks} "
+              f"blocks x {format_bytes(pool.bytes_per_block)} ({pool.block_size} tokens "
+              f"each), epoch {server.pool.epoch}", flush=True)
+        return
+    blocks = server.pool
+    full = blocks.num_full_blocks * pool.full_bytes_per_block
+    window = blocks.num_window_blocks * pool.window_bytes_per_block
+    print(f"radixkv serving on {where}: {config.backend} pool, {blocks.num_full_blocks} "
+          f"full parts x {format_bytes(pool.full_bytes_per_block)} + "
+          f"{blocks.num_window_blocks} window parts x "
+          f"{format_bytes(pool.window_bytes_per_block)} ({pool.block_size} tokens each), "
+          f"epoch {blocks.epoch}", flush=True)
+    print(f"sliding window {pool.sliding_window} on {len(pool.window_layers)} of "
+          f"{pool.num_layers} layers ({pool.window_pattern}): full parts "
+          f"{format_bytes(full)} for the full-attention layers, window parts "
+          f"{format_bytes(window)} for the windowed ones ({window / (full + window):.1%} "
+          "of the pool)", flush=True)

@@ -1,0 +1,231 @@
+"""The requester's side of a peer fetch: before a Match, pull what another member holds.
+
+`radixkv serve --cluster ... --peer-fetch` runs a Router inside the member (etcd membership,
+one Follower per other member: the same ClusterIndex the router builds), and the servicer asks
+`fill` before each Match batch:
+
+    for each token query, within --peer-fetch-timeout and the Match's own deadline:
+      the index: the member holding the longest prefix (P blocks)     P < min: nothing
+      a local Match pins what is here (L blocks)                      P - L < min: release
+      Allocate P - L blocks on that lease (no room: release, nothing)
+      FetchBlocks(start_block = L) from the holder (radixkv/server/peer_source.py):
+        each block's CRC-32 checked, then its bytes written once into its pool block;
+        the first bad or missing block ends the run
+      Insert the verified leading run (L + V blocks) and release; the rest are freed
+    then the Match runs as always and finds them
+
+Faults are misses: a holder that is dead, restarted, evicting, slow or breaks the stream gives
+the blocks verified before it (a leading run) or nothing; a failed peer is left out for a
+backoff (as the router's followers back off). The service lock is held only inside each service
+call, never across the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from radixkv.cluster.follower import backoff_s
+from radixkv.cluster.router import Router
+from radixkv.protocol.env import client_tls_ca, normalize_target
+from radixkv.protocol.errors import InvalidArgument, OutOfBlocks, RadixKVError
+from radixkv.protocol.tokens import TOKEN_BYTES
+from radixkv.protocol.values import InsertItem
+from radixkv.protocol.wire import call_credentials, layout_pb
+from radixkv.rpc.etcd import NO_SECURITY, EtcdSecurity, EtcdTarget
+from radixkv.server.peers import PeerCounters
+from radixkv.service import KVService
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
+
+log = logging.getLogger("radixkv.cluster")
+
+DEFAULT_MIN_BLOCKS = 4
+DEFAULT_TIMEOUT_S = 2.0
+CHUNK_BYTES = 4 << 20
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PeerFetchConfig:
+    node_id: str
+    target: EtcdTarget
+    token: str | None = None
+    security: EtcdSecurity = NO_SECURITY
+    min_blocks: int = DEFAULT_MIN_BLOCKS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass(slots=True)
+class _Run:
+    """What one stream brought: verified blocks written, their bytes, bad checksums, failed."""
+
+    blocks: int = 0
+    nbytes: int = 0
+    bad: int = 0
+    failed: bool = False
+
+
+def check_pool(service: KVService) -> None:
+    """InvalidArgument unless peer fetch can serve this pool: full-attention blocks of one
+    format (no sink region, no window parts), on host memory."""
+    pool = service.pool
+    if pool.num_sink_blocks or pool.layout.window_blocks:
+        raise InvalidArgument("--peer-fetch needs a pool of one block format: no sink blocks "
+                              "(--sink-fraction 0) and no sliding window")
+    if pool.backend != "host":
+        raise InvalidArgument("--peer-fetch moves blocks from host pools only (a cuda pool "
+                              "needs host staging: see docs/cluster.md)")
+
+
+class PeerFetcher:
+    """start() follows the cluster; fill() before Matches; stop() ends it all."""
+
+    def __init__(self, service: KVService, config: PeerFetchConfig,
+                 counters: PeerCounters) -> None:
+        check_pool(service)
+        self.service = service
+        self.config = config
+        self.counters = counters
+        self.router = Router(config.target, config.token, config.security, skip=config.node_id)
+        self.owner = f"peer-fetch:{config.node_id}"
+        self.layout = layout_pb(service.pool.layout)
+        self._credentials = call_credentials(config.token)
+        self._lock = threading.Lock()
+        self._stubs: dict[str, tuple[grpc.Channel, radixkv_pb2_grpc.RadixKVStub]] = {}
+        self._failures: dict[str, tuple[int, float]] = {}  # node -> failures, left out until
+
+    def start(self) -> None:
+        self.router.start()
+
+    def stop(self) -> None:
+        self.router.stop()
+        with self._lock:
+            for channel, _ in self._stubs.values():
+                channel.close()
+            self._stubs.clear()
+
+    def fill(self, queries: list[tuple[str, bytes]], deadline_s: float | None) -> None:
+        """Fetch into the pool what peers hold beyond the local prefix of each query; never
+        raises, never runs past `deadline_s` (seconds from now) or the configured timeout."""
+        budget = self.config.timeout_s if deadline_s is None \
+            else min(self.config.timeout_s, deadline_s * 0.8)
+        end = time.monotonic() + budget
+        for namespace, tokens in queries:
+            if time.monotonic() >= end:
+                return
+            try:
+                self._fill_one(namespace, tokens, end)
+            except RadixKVError as e:  # a bad query: the Match itself says why
+                log.debug("peer fetch skipped for %s: %s", namespace, e)
+
+    def _fill_one(self, namespace: str, tokens: bytes, end: float) -> None:
+        bs = self.service.block_size
+        whole = len(tokens) // (TOKEN_BYTES * bs)
+        if whole < self.config.min_blocks:
+            return
+        tokens = tokens[:whole * bs * TOKEN_BYTES]
+        now = time.monotonic()
+        with self._lock:
+            out = frozenset(n for n, (_, until) in self._failures.items() if until > now)
+        members = [m for m in self.router.route(namespace, tokens, out, probe=True).members
+                   if m.cached_tokens] if self.router.followers() else []
+        if not members:
+            return
+        holder = max(members, key=lambda m: (m.cached_tokens, -m.load))
+        held = holder.cached_tokens // bs
+        if held < self.config.min_blocks:
+            return
+        tokens = tokens[:held * bs * TOKEN_BYTES]
+        m = self.service.match(self.owner, namespace, tokens, ttl_s=max(1.0, end - now + 1))
+        released = False
+        try:
+            local = m.num_tokens // bs
+            if held - local < self.config.min_blocks:
+                return
+            try:
+                alloc = self.service.allocate(self.owner, m.lease_id, namespace, held - local)
+            except OutOfBlocks:
+                return  # everything pinned: the Match misses as it would have
+            start = time.monotonic()
+            run = self._stream(holder.node_id, holder.address, namespace, tokens, local,
+                               alloc.block_ids, end)
+            if run.blocks:
+                ids = (*m.block_ids, *alloc.block_ids[:run.blocks])
+                self.service.insert_many(self.owner, [InsertItem(
+                    m.lease_id, namespace, tokens[:len(ids) * bs * TOKEN_BYTES], ids)],
+                    [m.lease_id])
+                released = True
+            self._settle(holder.node_id, run, (time.monotonic() - start) * 1e3)
+        finally:
+            if not released:
+                self.service.release(self.owner, [m.lease_id])
+
+    def _stream(self, node: str, address: str, namespace: str, tokens: bytes, local: int,
+                block_ids: tuple[int, ...], end: float) -> _Run:
+        """FetchBlocks from `node` into `block_ids` (blocks local.. of the prompt): the
+        verified leading run."""
+        pool, run = self.service.pool, _Run()
+        bpb = pool.layout.bytes_per_block
+        request = pb.FetchBlocksRequest(client_id=self.owner, node_id=self.config.node_id,
+                                        namespace=namespace, tokens=tokens, start_block=local,
+                                        layout=self.layout, chunk_bytes=CHUNK_BYTES)
+        call = self._stub(address).FetchBlocks(request, timeout=max(0.01, end - time.monotonic()),
+                                               metadata=self._credentials)
+        try:
+            for chunk in call:
+                if chunk.first_block != local + run.blocks \
+                        or len(chunk.data) != len(chunk.crc32) * bpb:
+                    run.failed = True  # out of order or torn: not this protocol
+                    break
+                data = memoryview(chunk.data)
+                for i, crc in enumerate(chunk.crc32):
+                    if run.blocks >= len(block_ids):
+                        break
+                    block = data[i * bpb:(i + 1) * bpb]
+                    if zlib.crc32(block) != crc:
+                        run.bad += 1
+                        run.failed = True
+                        return run
+                    pool.block_bytes(block_ids[run.blocks])[:] = np.frombuffer(block, np.uint8)
+                    run.blocks += 1
+                    run.nbytes += bpb
+        except grpc.RpcError as e:
+            run.failed = True
+            log.info("peer fetch from %s stopped after %d blocks: %s %s", node, run.blocks,
+                     e.code().name, e.details())
+        finally:
+            call.cancel()
+        return run
+
+    def _settle(self, node: str, run: _Run, ms: float) -> None:
+        self.counters.fetched(node, run.blocks, run.nbytes, ms, run.failed, run.bad)
+        with self._lock:
+            if run.failed:
+                failures = self._failures.get(node, (0, 0.0))[0] + 1
+                self._failures[node] = (failures, time.monotonic() + backoff_s(failures))
+            else:
+                self._failures.pop(node, None)
+
+    def _stub(self, address: str) -> radixkv_pb2_grpc.RadixKVStub:
+        with self._lock:
+            got = self._stubs.get(address)
+            if got is None:
+                target = normalize_target(address)
+                options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                ca = client_tls_ca()
+                if ca and not target.startswith("unix:"):
+                    with open(ca, "rb") as f:
+                        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+                    channel = grpc.secure_channel(target, creds, options=options)
+                else:
+                    channel = grpc.insecure_channel(target, options=options)
+                got = self._stubs[address] = (
+                    channel, radixkv_pb2_grpc.RadixKVStub(channel))  # type: ignore[no-untyped-call]
+            return got[1]

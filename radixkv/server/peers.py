@@ -1,0 +1,56 @@
+"""Per-peer counters of peer fetch (blocks and bytes in and out, fetches, failures), as Stats
+reports them in `peers` and `radixkv inspect` shows them. Thread-safe."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from radixkv.v1 import radixkv_pb2 as pb
+
+
+@dataclass
+class PeerCount:
+    blocks_in: int = 0
+    bytes_in: int = 0
+    blocks_out: int = 0
+    bytes_out: int = 0
+    fetches: int = 0
+    failures: int = 0
+    checksum_failures: int = 0
+    fetch_ms: float = 0.0
+
+
+class PeerCounters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerCount] = {}
+
+    def _of(self, node: str) -> PeerCount:
+        return self._peers.setdefault(node, PeerCount())
+
+    def sent(self, node: str, blocks: int, nbytes: int) -> None:
+        with self._lock:
+            c = self._of(node)
+            c.blocks_out += blocks
+            c.bytes_out += nbytes
+
+    def fetched(self, node: str, blocks: int, nbytes: int, ms: float, failed: bool,
+                bad_checksums: int) -> None:
+        """One fetch from `node`: the verified blocks it brought (inserted here), its time,
+        whether it failed before the end, and the blocks dropped for their checksum."""
+        with self._lock:
+            c = self._of(node)
+            c.blocks_in += blocks
+            c.bytes_in += nbytes
+            c.fetches += blocks > 0
+            c.failures += failed
+            c.checksum_failures += bad_checksums
+            c.fetch_ms += ms
+
+    def snapshot(self) -> dict[str, PeerCount]:
+        with self._lock:
+            return {n: PeerCount(**vars(c)) for n, c in self._peers.items()}
+
+    def stats_pb(self) -> list[pb.PeerStats]:
+        return [pb.PeerStats(node_id=n, **vars(c)) for n, c in sorted(self.snapshot().items())]

@@ -1,0 +1,201 @@
+"""Peer fetch between members (serve --cluster --peer-fetch): real etcd on loopback, two members
+in subprocesses, TCP between them with the cluster token, bytes compared through each member's
+own pool mapping."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from _server import BLOCK_SIZE, TOKEN, tiny_flags, wait_for
+
+from radixkv.client import Client
+from radixkv.cluster.local import LocalCluster, free_port, local_cluster
+from radixkv.protocol.tokens import to_token_bytes
+from radixkv.protocol.wire import call_credentials, layout_pb
+from radixkv.server.peer_source import CORRUPT_BLOCK_ENV
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
+
+NS = "chat@rev1"
+BLOCKS = 12  # > --peer-fetch-min-blocks (4) beyond anything the other member holds
+
+
+ADDRESSES: dict[str, str] = {}  # node id -> its TCP address, as the last start gave it
+
+
+def tcp_flags(token_file: str, node: str, again: bool = False) -> tuple[str, ...]:
+    """`again`: the port of its last start (a restart on the same address)."""
+    if not again:
+        ADDRESSES[node] = f"127.0.0.1:{free_port()}"
+    port = ADDRESSES[node].rsplit(":", 1)[1]
+    return ("--tcp", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{port}",
+            "--auth-token-file", token_file, "--peer-fetch")
+
+
+@contextlib.contextmanager
+def two_members(tmp_path, token_file: str, *extra: str,
+                env: dict[str, str] | None = None) -> Iterator[LocalCluster]:
+    """etcd + members a and b, each on its own TCP port with the token and --peer-fetch."""
+    flags = tiny_flags(str(tmp_path), num_blocks=64)
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with local_cluster(0, *flags, router=False) as c:
+            c.start_member("a", *tcp_flags(token_file, "a"), *extra)
+            if env:  # only the holder gets the test hook
+                for k, v in old.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+                env = None
+            c.start_member("b", *tcp_flags(token_file, "b"), *extra)
+            yield c
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def prompt(head: int, blocks: int = BLOCKS) -> list[int]:
+    return [head * 10_000 + i for i in range(blocks * BLOCK_SIZE)]
+
+
+def store_random(socket: str, tokens: list[int], seed: int = 0) -> list[bytes]:
+    """Cache `tokens` with random KV bytes; the bytes of each block, in order."""
+    rng = np.random.default_rng(seed)
+    with Client(socket, token=TOKEN) as kv, kv.lease(NS, tokens) as lease:
+        ids = lease.block_ids + lease.new_block_ids
+        out = []
+        for b in ids:
+            view = lease.pool().block_bytes(b)
+            view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+            out.append(bytes(view))
+        lease.insert(tokens, ids, release=True)
+    return out
+
+
+def cached_bytes(socket: str, tokens: list[int]) -> list[bytes]:
+    """What a Match on `socket` finds for `tokens`: the bytes of each hit block."""
+    with Client(socket, token=TOKEN) as kv:
+        m = kv.match(NS, tokens)
+        try:
+            pool = kv.pool_of(m.epoch)
+            return [bytes(pool.block_bytes(b)) for b in m.block_ids]
+        finally:
+            kv.release(m.lease_id)
+
+
+def peers(socket: str) -> dict[str, dict]:
+    with Client(socket, token=TOKEN) as kv:
+        return {p["node_id"]: p for p in kv.stats().get("peers", [])}
+
+
+def test_a_prefix_stored_on_one_member_hits_on_another_with_equal_bytes(tmp_path, token_file):
+    with two_members(tmp_path, token_file) as c:
+        a, b = c.members["a"].socket, c.members["b"].socket
+        tokens = prompt(1)
+        want = store_random(a, tokens)
+        got = wait_for(lambda: (r := cached_bytes(b, tokens)) and len(r) == BLOCKS and r,
+                       what="b to fetch a's prefix")
+        assert got == want
+        assert peers(b)["a"]["blocks_in"] == BLOCKS
+        assert peers(b)["a"]["bytes_in"] == BLOCKS * len(want[0])
+        assert peers(a)["b"]["blocks_out"] == BLOCKS
+        # a longer prompt on b: b holds the first 12 blocks now, a has nothing more
+        assert len(cached_bytes(b, prompt(1) + [7] * 4 * BLOCK_SIZE)) == BLOCKS
+        for s in (a, b):  # nothing pinned left on either side, invariants hold
+            with Client(s, token=TOKEN) as kv:
+                st = kv.stats(check_integrity=True)
+                assert st["integrity"] == "ok" and st["live_leases"] == 0
+
+
+def test_a_corrupted_block_is_dropped_and_counted(tmp_path, token_file):
+    with two_members(tmp_path, token_file, env={CORRUPT_BLOCK_ENV: "5"}) as c:
+        a, b = c.members["a"].socket, c.members["b"].socket
+        tokens = prompt(2)
+        want = store_random(a, tokens, seed=2)
+        got = wait_for(lambda: cached_bytes(b, tokens), what="b to fetch the leading run")
+        assert got == want[:5]  # the verified leading run, never the damaged block
+        p = peers(b)["a"]
+        assert p["checksum_failures"] >= 1 and p["blocks_in"] == 5 and p["failures"] >= 1
+
+
+def stub(address: str) -> radixkv_pb2_grpc.RadixKVStub:
+    return radixkv_pb2_grpc.RadixKVStub(grpc.insecure_channel(address))
+
+
+def test_another_layout_is_refused_before_any_byte_and_no_token_is_unauthenticated(
+        tmp_path, token_file):
+    from kvpool.layout import KVLayout
+
+    with two_members(tmp_path, token_file) as c:
+        a = c.members["a"]
+        store_random(a.socket, prompt(3))
+        address = ADDRESSES["a"]
+        with Client(a.socket, token=TOKEN) as kv:
+            layout = kv.pool_info().layout
+        other = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim * 2,
+                         layout.dtype, layout.block_size)
+        request = pb.FetchBlocksRequest(client_id="t", namespace=NS,
+                                        tokens=to_token_bytes(prompt(3)), layout=layout_pb(other))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub(address).FetchBlocks(request, metadata=call_credentials(TOKEN), timeout=10))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "layout" in e.value.details()
+        request.layout.CopyFrom(layout_pb(layout))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub(address).FetchBlocks(request, timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        chunks = list(stub(address).FetchBlocks(request, metadata=call_credentials(TOKEN),
+                                                timeout=10))
+        assert sum(len(ch.crc32) for ch in chunks) == BLOCKS
+        with Client(a.socket, token=TOKEN) as kv:
+            assert kv.stats()["live_leases"] == 0  # the pin ended with the stream
+
+
+def test_a_dead_holder_is_a_miss_and_a_restarted_one_serves_again(tmp_path, token_file):
+    with two_members(tmp_path, token_file) as c:
+        a, b = c.members["a"], c.members["b"]
+        store_random(a.socket, prompt(4))
+        a.stop(signal.SIGKILL)
+        assert cached_bytes(b.socket, prompt(4)) == []  # a miss, in time, not an error
+        a2 = c.start_member("a", *tcp_flags(token_file, "a", again=True))
+        want = store_random(a2.socket, prompt(5), seed=5)
+        got = wait_for(lambda: (r := cached_bytes(b.socket, prompt(5))) and r,
+                       timeout=30, what="b to fetch from the restarted a")
+        assert got == want
+        with Client(b.socket, token=TOKEN) as kv:
+            st = kv.stats(check_integrity=True)
+            assert st["integrity"] == "ok" and st["live_leases"] == 0
+
+
+@pytest.mark.parametrize("fault", ["timeout", "sigkill"])
+def test_a_holder_that_stalls_or_dies_mid_transfer_gives_the_verified_leading_run(
+        tmp_path, token_file, fault):
+    """The holder sends blocks 0-5 and stalls before block 6: b's Match answers within its
+    --peer-fetch-timeout (or as soon as the holder is killed) with the six verified blocks."""
+    import threading
+    import time
+
+    from radixkv.server.peer_source import STALL_BLOCK_ENV
+
+    with two_members(tmp_path, token_file, "--peer-fetch-timeout",
+                     "1" if fault == "timeout" else "60", env={STALL_BLOCK_ENV: "6"}) as c:
+        a, b = c.members["a"], c.members["b"]
+        tokens = prompt(6)
+        want = store_random(a.socket, tokens, seed=6)
+        store_random(a.socket, prompt(8, 5))  # stored after: once b has it, b knows prompt 6
+        wait_for(lambda: cached_bytes(b.socket, prompt(8, 5)), what="b to learn what a holds")
+        if fault == "sigkill":
+            threading.Timer(1.0, a.stop, (signal.SIGKILL,)).start()
+        start = time.monotonic()
+        got = cached_bytes(b.socket, tokens)
+        assert time.monotonic() - start < 30  # not the holder's stall: the timeout or the kill
+        assert got == want[:6]
+        assert peers(b.socket)["a"]["failures"] == 1 and peers(b.socket)["a"]["blocks_in"] == 11
+        with Client(b.socket, token=TOKEN) as kv:
+            st = kv.stats(check_integrity=True)
+            assert st["integrity"] == "ok" and st["live_leases"] == 0
