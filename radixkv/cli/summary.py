@@ -55,6 +55,8 @@ def summary(kv: Client) -> dict[str, Any]:
         },
         **window,
         "evicted_blocks": s["evicted_blocks"],
+        **({"peers": [{k: v for k, v in p.items() if k != "recent_fetch_ms"}
+                      for p in s["peers"]]} if s.get("peers") else {}),
         "leases": {"live": s["live_leases"], "expired": s["expired_leases"]},
         "namespaces": [{**{k: n[k] for k in ("namespace", "cached_blocks", "cached_tokens",
                                              "nodes", "requests", "query_tokens", "hit_tokens",
@@ -118,6 +120,14 @@ def render_summary(d: dict[str, Any]) -> Any:
                      f"{disk['promoted_blocks']} promoted, {disk['evicted_blocks']} dropped, "
                      f"{disk['verify_failures']} failed their checksum{writes}")
     head.add_row("evictions", f"{d['evicted_blocks']} blocks")
+    for p in d.get("peers", []):  # peer fetch (serve --peer-fetch), one row per member met
+        g = {k: p.get(k, 0) for k in ("blocks_in", "bytes_in", "blocks_out", "bytes_out",
+                                      "fetches", "failures", "checksum_failures")}
+        head.add_row(f"peer {markup_safe(p['node_id'])}",
+                     f"fetched {g['blocks_in']} blocks ({_size(g['bytes_in'])}) in "
+                     f"{g['fetches']} fetches, sent {g['blocks_out']} blocks "
+                     f"({_size(g['bytes_out'])}); {g['failures']} failed, "
+                     f"{g['checksum_failures']} blocks failed their checksum")
     head.add_row("leases", f"{d['leases']['live']} live, {d['leases']['expired']} expired")
     spaces = Table(box=box.SIMPLE_HEAD)
     for col in ("namespace", "blocks", "tokens", "nodes", "requests", "hit rate", "evicted"):

@@ -5,12 +5,10 @@
             cached = lease.num_tokens          # tokens whose KV is already in the pool
             ids = lease.allocate(n_new_blocks) # blocks to write the rest into
             scatter(lease.view(), ids, k, v)   # engine writes KV (sync first on GPU)
-            lease.insert(prompt, lease.block_ids + ids)
-        # leaving the block releases the lease
+            lease.insert(prompt, lease.block_ids + ids)   # leaving the block releases it
 
-KV bytes never cross gRPC: `pool()` maps the service's slab (shared memory or CUDA IPC) and
-returns zero-copy tensors. If the service restarts, its pool epoch changes; `pool()` notices on
-`refresh=True` (and `check_epoch()` always) and re-attaches, logging that it did.
+KV bytes never cross gRPC: `pool()` maps the service's slab (shared memory or CUDA IPC), zero-copy.
+A restart changes the pool epoch: `pool(refresh=True)` and `check_epoch()` notice and re-attach.
 """
 
 from __future__ import annotations
@@ -198,17 +196,19 @@ class Client:
 
     # ---- the request path --------------------------------------------------------------------
 
-    def match(self, namespace: str, tokens: Any, ttl: float = 0.0,
-              store_tokens: int = 0) -> LeaseMatch:
-        return self.match_many([(namespace, tokens)], ttl, store_tokens)[0]
+    def match(self, namespace: str, tokens: Any, ttl: float = 0.0, store_tokens: int = 0,
+              peer_fetch_async: bool = False) -> LeaseMatch:
+        return self.match_many([(namespace, tokens)], ttl, store_tokens, peer_fetch_async)[0]
 
     def match_many(self, queries: Sequence[tuple[str, Any]], ttl: float = 0.0,
-                   store_tokens: int = 0) -> list[LeaseMatch]:
+                   store_tokens: int = 0, peer_fetch_async: bool = False) -> list[LeaseMatch]:
         """One call for several prompts; each result holds its own lease (TTL `ttl` seconds
         within the server's cap; 0: the server's default). With `store_tokens` (e.g.
         STORE_ALL), each lease also gets `new_block_ids` for the uncached full blocks among
-        the first store_tokens tokens, so that Allocate is not needed (or `alloc_error`)."""
-        req = pb.MatchRequest(client_id=self.client_id, lease_ttl_s=ttl)
+        the first store_tokens tokens, so that Allocate is not needed (or `alloc_error`).
+        `peer_fetch_async`: a member's peer fetch runs meanwhile (`fetching`: ask again)."""
+        req = pb.MatchRequest(client_id=self.client_id, lease_ttl_s=ttl,
+                              peer_fetch_async=peer_fetch_async)
         add = req.queries.add  # ~1 us less per query than building a list (upb)
         for ns, t in queries:
             add(namespace=ns, tokens=to_token_bytes(t), store_tokens=store_tokens)

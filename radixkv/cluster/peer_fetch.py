@@ -13,6 +13,8 @@ one Follower per other member: the same ClusterIndex the router builds), and the
         the first bad or missing block ends the run
       Insert the verified leading run (L + V blocks) and release; the rest are freed
     then the Match runs as always and finds them
+    a Match with peer_fetch_async (the vLLM connector's): the same fetch runs on a worker
+      thread after the Match, whose answer says `fetching`; the engine asks again later
 
 Faults are misses: a holder that is dead, restarted, evicting, slow or breaks the stream gives
 the blocks verified before it (a leading run) or nothing; a failed peer is left out for a
@@ -26,17 +28,19 @@ import logging
 import threading
 import time
 import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from radixkv.cluster.follower import backoff_s
-from radixkv.cluster.router import Router
+from radixkv.cluster.router import RankedMember, Router
 from radixkv.protocol.env import client_tls_ca, normalize_target
 from radixkv.protocol.errors import InvalidArgument, OutOfBlocks, RadixKVError
 from radixkv.protocol.tokens import TOKEN_BYTES
-from radixkv.protocol.values import InsertItem
+from radixkv.protocol.values import InsertItem, LeaseMatch
 from radixkv.protocol.wire import call_credentials, layout_pb
 from radixkv.rpc.etcd import NO_SECURITY, EtcdSecurity, EtcdTarget
 from radixkv.server.peers import PeerCounters
@@ -100,11 +104,14 @@ class PeerFetcher:
         self._lock = threading.Lock()
         self._stubs: dict[str, tuple[grpc.Channel, radixkv_pb2_grpc.RadixKVStub]] = {}
         self._failures: dict[str, tuple[int, float]] = {}  # node -> failures, left out until
+        self._inflight: set[tuple[str, bytes]] = set()  # background fetches: namespace, tokens
+        self._workers = ThreadPoolExecutor(2, thread_name_prefix="peer-fetch")
 
     def start(self) -> None:
         self.router.start()
 
     def stop(self) -> None:
+        self._workers.shutdown(wait=True, cancel_futures=True)
         self.router.stop()
         with self._lock:
             for channel, _ in self._stubs.values():
@@ -125,25 +132,74 @@ class PeerFetcher:
             except RadixKVError as e:  # a bad query: the Match itself says why
                 log.debug("peer fetch skipped for %s: %s", namespace, e)
 
-    def _fill_one(self, namespace: str, tokens: bytes, end: float) -> None:
+    def fill_async(self, queries: list[tuple[str, bytes]],
+                   answers: Sequence[LeaseMatch]) -> list[bool]:
+        """For each query whose local answer a peer beats by min_blocks, fetch in the
+        background (one fetch per prompt prefix at a time); True where one runs now."""
+        out = []
+        for (namespace, tokens), answer in zip(queries, answers, strict=True):
+            try:
+                plan = self._plan(namespace, tokens, answer.num_tokens // self.service.block_size)
+            except RadixKVError:
+                plan = None
+            if plan is None:
+                out.append(False)
+                continue
+            key = (namespace, plan[2])
+            with self._lock:
+                running = key in self._inflight
+                if not running:
+                    self._inflight.add(key)
+            if not running:
+                self._workers.submit(self._fill_background, namespace, plan, key)
+            out.append(True)
+        return out
+
+    def _fill_background(self, namespace: str, plan: tuple[RankedMember, int, bytes],
+                         key: tuple[str, bytes]) -> None:
+        try:
+            self._fetch(namespace, plan, time.monotonic() + self.config.timeout_s)
+        except RadixKVError as e:
+            log.debug("peer fetch for %s failed: %s", namespace, e)
+        except Exception:
+            log.exception("peer fetch for %s", namespace)
+        finally:
+            with self._lock:
+                self._inflight.discard(key)
+
+    def _plan(self, namespace: str, tokens: bytes,
+              local: int = 0) -> tuple[RankedMember, int, bytes] | None:
+        """The member holding the longest prefix of `tokens`, its blocks and those tokens; None
+        unless it holds min_blocks more than `local` (and min_blocks at all)."""
         bs = self.service.block_size
         whole = len(tokens) // (TOKEN_BYTES * bs)
-        if whole < self.config.min_blocks:
-            return
+        if whole < self.config.min_blocks + local or not self.router.followers():
+            return None
         tokens = tokens[:whole * bs * TOKEN_BYTES]
         now = time.monotonic()
         with self._lock:
             out = frozenset(n for n, (_, until) in self._failures.items() if until > now)
         members = [m for m in self.router.route(namespace, tokens, out, probe=True).members
-                   if m.cached_tokens] if self.router.followers() else []
+                   if m.cached_tokens]
         if not members:
-            return
+            return None
         holder = max(members, key=lambda m: (m.cached_tokens, -m.load))
         held = holder.cached_tokens // bs
-        if held < self.config.min_blocks:
-            return
-        tokens = tokens[:held * bs * TOKEN_BYTES]
-        m = self.service.match(self.owner, namespace, tokens, ttl_s=max(1.0, end - now + 1))
+        if held < self.config.min_blocks + local:
+            return None
+        return holder, held, tokens[:held * bs * TOKEN_BYTES]
+
+    def _fill_one(self, namespace: str, tokens: bytes, end: float) -> None:
+        plan = self._plan(namespace, tokens)
+        if plan is not None:
+            self._fetch(namespace, plan, end)
+
+    def _fetch(self, namespace: str, plan: tuple[RankedMember, int, bytes], end: float) -> None:
+        """Pin the local prefix, fetch the rest of plan's blocks, insert the verified run."""
+        holder, held, tokens = plan
+        bs = self.service.block_size
+        m = self.service.match(self.owner, namespace, tokens,
+                               ttl_s=max(1.0, end - time.monotonic() + 1))
         released = False
         try:
             local = m.num_tokens // bs

@@ -29,6 +29,7 @@ class LeaseMatch:
     new_block_ids: tuple[int, ...] = ()  # allocated for the rest (a match with store_tokens)
     num_evicted: int = 0  # blocks evicted for new_block_ids
     alloc_error: str = ""  # why a match with store_tokens allocated nothing
+    fetching: bool = False  # a peer's blocks of this prompt are on their way (ask again)
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,10 +128,12 @@ def match_results(resp: pb.MatchResponse) -> list[LeaseMatch]:
     epoch = resp.epoch
     return [WindowLeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
                              ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error,
-                             ids_from_bytes(r.window_ids), ids_from_bytes(r.new_window_ids))
+                             window_ids=ids_from_bytes(r.window_ids),
+                             new_window_ids=ids_from_bytes(r.new_window_ids))
             if r.window_ids or r.new_window_ids else
             LeaseMatch(r.lease_id, r.num_tokens, ids_from_bytes(r.block_ids), epoch,
-                       ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error)
+                       ids_from_bytes(r.new_block_ids), r.num_evicted, r.alloc_error,
+                       r.fetching)
             for r in resp.results]
 
 
@@ -147,10 +149,10 @@ def match_response_pb(outcomes: Iterable[LeaseMatch], epoch: str) -> pb.MatchRes
                 num_evicted=o.num_evicted, alloc_error=o.alloc_error,
                 window_ids=ids_to_bytes(o.window_ids),
                 new_window_ids=ids_to_bytes(o.new_window_ids))
-        elif o.new_block_ids or o.alloc_error:
+        elif o.new_block_ids or o.alloc_error or o.fetching:
             add(lease_id=o.lease_id, num_tokens=o.num_tokens,
                 block_ids=ids_to_bytes(o.block_ids), new_block_ids=ids_to_bytes(o.new_block_ids),
-                num_evicted=o.num_evicted, alloc_error=o.alloc_error)
+                num_evicted=o.num_evicted, alloc_error=o.alloc_error, fetching=o.fetching)
         else:
             add(lease_id=o.lease_id, num_tokens=o.num_tokens, block_ids=ids_to_bytes(o.block_ids))
     return response

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class ReplayWindow:
@@ -45,6 +47,19 @@ def service_flags(directory: str, block_size: int, capacity_blocks: int,
             "--num-blocks", str(capacity_blocks), "--policy", policy, *sinks, *windowed)
 
 
+PEER_FETCH_MIN_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StartedCluster:
+    """A cluster the replay starts on this machine (`radixkv replay --nodes N`)."""
+
+    nodes: int
+    kill_member_after: int | None = None  # SIGKILL member n0 once this many requests are done
+    reference: bool = False  # also replay on one node of nodes x capacity (the figure to reach)
+    peer_fetch: bool = False  # the members pull prefixes from each other (serve --peer-fetch)
+
+
 @dataclass
 class ClusterRun:
     """A replay over a cluster: its router, and the LocalCluster when the replay started it."""
@@ -52,21 +67,25 @@ class ClusterRun:
     router: str
     local: Any = None
     killed: list[str] = field(default_factory=list)
+    peer_fetch: bool = False  # its members fetch from each other
 
 
 @contextlib.contextmanager
-def start_cluster(nodes: int, block_size: int, capacity_blocks: int,
+def start_cluster(spec: StartedCluster, block_size: int, capacity_blocks: int,
                   policy: str = "lru") -> Iterator[Any]:
-    """etcd + `nodes` members of `capacity_blocks` each + a router, all on this machine
+    """etcd + `spec.nodes` members of `capacity_blocks` each + a router, all on this machine
     (radixkv.cluster.local); yields the LocalCluster once the router has indexed them all."""
     from radixkv.cluster.local import local_cluster
     from radixkv.cluster.routed import RouterClient
 
     with tempfile.TemporaryDirectory(prefix="rkv-replay-") as directory:
         flags = service_flags(directory, block_size, capacity_blocks, policy)
-        with local_cluster(nodes, *flags) as cluster:
+        if spec.peer_fetch:  # fetch once a peer holds 64 tokens more (1 block of 512)
+            flags = (*flags, "--peer-fetch", "--peer-fetch-min-blocks",
+                     str(max(1, -(-PEER_FETCH_MIN_TOKENS // block_size))))
+        with local_cluster(spec.nodes, *flags) as cluster:
             with RouterClient(cluster.router) as rc:
-                rc.wait_members(nodes)
+                rc.wait_members(spec.nodes)
             yield cluster
 
 
@@ -119,6 +138,11 @@ class ClusterStats:
                 for key, value in ns.items():
                     if isinstance(value, int) and key != "namespace":
                         acc[key] = acc.get(key, 0) + value
+            for peer in st.get("peers", []):
+                for key in ("blocks_in", "bytes_in", "fetches", "failures",
+                            "checksum_failures"):
+                    total[f"peer_{key}"] = total.get(f"peer_{key}", 0) + int(peer.get(key, 0))
+                total.setdefault("peer_recent_fetch_ms", []).extend(peer.get("recent_fetch_ms", []))
             checks.append(f"{m['node_id']} {st['integrity']}")
         total["namespaces"] = list(by_ns.values())
         if check_integrity:
@@ -127,3 +151,14 @@ class ClusterStats:
         for key in ("cached_blocks", "evicted_blocks"):
             total.setdefault(key, 0)
         return total
+
+
+def peer_figures(before: dict[str, Any], after: dict[str, Any],
+                 peer_fetch: bool) -> dict[str, Any]:
+    """The report's peer fetch figures from the summed Stats around the run (empty without)."""
+    if not peer_fetch:
+        return {}
+    recent = after.get("peer_recent_fetch_ms") or []
+    return {"peer_fetched_blocks": after.get("peer_blocks_in", 0) - before.get("peer_blocks_in", 0),
+            "peer_fetch_bytes": after.get("peer_bytes_in", 0) - before.get("peer_bytes_in", 0),
+            "peer_fetch_p50_ms": float(np.median(recent)) if recent else None}

@@ -59,6 +59,10 @@ class Cluster:
     route_us: Latency  # the client's Route call (cache-aware only)
     killed: tuple[str, ...] = ()  # members SIGKILLed during the run
     reference_token_hit_rate: float | None = None  # the trace on one node of nodes x capacity
+    # peer fetch (--peer-fetch): blocks and bytes members pulled from each other, fetch p50
+    peer_fetched_blocks: int | None = None
+    peer_fetch_bytes: int | None = None
+    peer_fetch_p50_ms: float | None = None
 
     @staticmethod
     def imbalance(counts: Sequence[int]) -> float:
@@ -142,6 +146,8 @@ class ReplayReport:
                        route_p50_us=c.route_us.p50, route_p99_us=c.route_us.p99,
                        requests_per_node=dict(c.requests_per_node),
                        reference_token_hit_rate=c.reference_token_hit_rate,
+                       peer_fetched_blocks=c.peer_fetched_blocks,
+                       peer_fetch_bytes=c.peer_fetch_bytes, peer_fetch_p50_ms=c.peer_fetch_p50_ms,
                        hit_rate_vs_reference=(self.token_hit_rate / c.reference_token_hit_rate
                                               if c.reference_token_hit_rate else None))
         out["windows"] = [asdict(w) for w in self.windows]

@@ -29,7 +29,7 @@ KV layer / head / dim in fp16 so a block is 4 x block_size bytes) unless `target
 running one; then the block size and capacity are the server's, and namespaces get a per-run
 prefix so earlier contents neither hit nor fail verification.
 
-Over a cluster (`nodes` > 0 starts etcd, members and a router; `router` names a running one),
+Over a cluster (`started` starts etcd, members and a router; `router` names a running one),
 each client sends each request to the member radixkv.replay.routing picks; the Stats figures
 are summed over the members (radixkv.replay.cluster), the optimum and the ceiling are those of
 one node of the members' capacity summed, and the report adds the spread and Route's time.
@@ -59,6 +59,8 @@ from radixkv.replay.cluster import (
     ClusterRun,
     ClusterStats,
     ReplayWindow,
+    StartedCluster,
+    peer_figures,
     service_flags,
     start_cluster,
 )
@@ -128,11 +130,9 @@ def run_replay(
     progress: bool = False,
     trace_name: str = "",
     sink_fraction: float = 0.0,
-    nodes: int = 0,
+    started: StartedCluster | None = None,
     router: str | None = None,
     routing: str = "cache-aware",
-    kill_member_after: int | None = None,
-    reference: bool = False,
     hints: bool = False,
     window: ReplayWindow | None = None,
     conversations: bool = False,
@@ -143,11 +143,10 @@ def run_replay(
     `capacity_blocks` and `policy`; see the module docstring. `speed` > 0 follows the trace
     timestamps divided by it; 0 sends as fast as the clients go.
 
-    A cluster: `nodes` > 0 starts etcd, that many members of `capacity_blocks` each and a
+    A cluster: `started` starts etcd, its `nodes` members of `capacity_blocks` each and a
     router (`router`: use a running cluster's router instead); each request goes to the member
-    `routing` picks (radixkv.replay.routing). `kill_member_after`: SIGKILL member n0 (of a
-    cluster started here) once that many requests are done. `reference`: also replay the trace
-    on one node of nodes x capacity_blocks, the figure the cluster should approach. `hints`:
+    `routing` picks (radixkv.replay.routing); radixkv.replay.cluster.StartedCluster says what
+    else (a member killed, the one-node reference, peer fetch). `hints`:
     send each request's retention hint derived from the trace's future (client-supplied
     knowledge; one extra pass over the trace first). `window`: the started service caches a
     sliding-window model (capacity_blocks full parts beside window.window_parts window parts;
@@ -159,6 +158,7 @@ def run_replay(
         raise InvalidArgument(f"clients must be >= 1, got {clients}")
     if round_trips not in (2, 4):
         raise InvalidArgument(f"round_trips must be 2 or 4, got {round_trips}")
+    nodes = started.nodes if started is not None else 0
     if window is not None and (round_trips != 2 or nodes or router or target):
         raise InvalidArgument("a sliding-window replay runs on a service it starts, with two "
                               "round trips")
@@ -170,13 +170,15 @@ def run_replay(
         raise InvalidArgument(f"routing {routing!r}: one of {', '.join(POLICIES)}")
     if sum(x is not None and x != 0 for x in (target, router, nodes)) > 1:
         raise InvalidArgument("give one of a target service, a router, or a number of nodes")
-    if nodes < 0 or (kill_member_after is not None and not nodes):
+    if nodes < 0 or (started is not None and started.kill_member_after is not None
+                     and not nodes):
         raise InvalidArgument("nodes must be >= 0; kill_member_after needs a cluster started "
                               "here (nodes > 0)")
     opts = ReplayOptions(
         trace_name or (str(requests) if isinstance(requests, str | Path) else "requests"),
         clients, policy, speed, verify, prefill_tokens_per_s, num_windows, progress,
-        count_requests(requests, limit), round_trips, routing, kill_member_after, hints,
+        count_requests(requests, limit), round_trips, routing,
+        started.kill_member_after if started is not None else None, hints,
         conversations)
 
     if not isinstance(requests, str | Path):  # a path is streamed; others kept (reference)
@@ -191,11 +193,11 @@ def run_replay(
         return _run(source(), "", None, opts, ClusterRun(router), again)
     if block_size < 1 or capacity_blocks < 1:
         raise InvalidArgument("block_size and capacity_blocks must be >= 1")
-    if nodes:
-        with start_cluster(nodes, block_size, capacity_blocks, policy) as local:
+    if started is not None and nodes:
+        with start_cluster(started, block_size, capacity_blocks, policy) as local:
             report = _run(source(), "", (block_size, capacity_blocks), opts,
-                          ClusterRun(local.router, local), again)
-        if reference:
+                          ClusterRun(local.router, local, peer_fetch=started.peer_fetch), again)
+        if started.reference:
             ref = run_replay(requests, block_size=block_size,
                              capacity_blocks=capacity_blocks * nodes, clients=clients,
                              policy=policy, speed=speed, verify=verify, round_trips=round_trips,
@@ -325,4 +327,4 @@ def _run(source: Iterable[Request], target: str, own: tuple[int, int] | None,
     return replace(report, cluster=Cluster(
         nodes, opts.routing, cluster.router, capacity, tuple(sorted(counts.items())),
         Cluster.imbalance(list(counts.values())), Latency.of(route[route >= 0] / 1e3),
-        tuple(cluster.killed)))
+        tuple(cluster.killed), **peer_figures(before, after, cluster.peer_fetch)))

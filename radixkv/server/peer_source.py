@@ -5,7 +5,9 @@
       Match (a lease pins the cached prefix: nothing sent can be evicted or reused meanwhile)
       blocks start_block .. cached, stopping before a sink-format block
       chunks of whole blocks (chunk_bytes, default 4 MiB): bytes + one CRC-32 per block
-      Release in `finally` (the stream ended, broke, or the caller went away)
+      Release in `finally` (the stream ended, broke, or the caller went away); after a whole
+      send with the hint session_end: the caller has a copy, so this one goes first when the
+      pool needs room (until its next hit clears the hint)
 
 The requester (radixkv/cluster/peer_fetch.py) checks every block's CRC before it writes it into
 its pool and inserts only the verified leading run. Cached blocks are immutable while pinned, so
@@ -27,6 +29,7 @@ from radixkv.server.peers import PeerCounters
 from radixkv.service import KVService
 from radixkv.v1 import radixkv_pb2 as pb
 
+SESSION_HINT = "session_end"  # radixkv.index.hints: evict these first (eviction policy adaptive)
 DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 64 << 10
 FETCH_LEASE_TTL_S = 30.0  # the pin outlives no stream by long: released in `finally`
@@ -70,10 +73,15 @@ class PeerSource:
         chunk = max(MIN_CHUNK_BYTES, request.chunk_bytes or DEFAULT_CHUNK_BYTES)
         m = self.service.match(request.client_id, request.namespace, tokens,
                                ttl_s=FETCH_LEASE_TTL_S, client=client)
+        sent = False
         try:
             yield from self._chunks(request, m.block_ids, chunk, active)
+            sent = True
         finally:
-            self.service.release(request.client_id, [m.lease_id])
+            # all sent: the caller holds a copy now, so this one is the first to evict here
+            # (the hint goes at its next hit); a broken stream leaves the blocks as they were
+            self.service.release(request.client_id, [m.lease_id],
+                                 [SESSION_HINT if sent and m.block_ids else None])
 
     def _chunks(self, request: pb.FetchBlocksRequest, block_ids: tuple[int, ...],
                 chunk_bytes: int, active: Callable[[], bool]) -> Iterator[pb.FetchBlocksChunk]:

@@ -4,9 +4,12 @@ reports them in `peers` and `radixkv inspect` shows them. Thread-safe."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from radixkv.v1 import radixkv_pb2 as pb
+
+RECENT = 256  # fetch times kept per peer
 
 
 @dataclass
@@ -19,6 +22,7 @@ class PeerCount:
     failures: int = 0
     checksum_failures: int = 0
     fetch_ms: float = 0.0
+    recent_fetch_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
 
 class PeerCounters:
@@ -47,10 +51,12 @@ class PeerCounters:
             c.failures += failed
             c.checksum_failures += bad_checksums
             c.fetch_ms += ms
+            c.recent_fetch_ms.append(ms)
 
     def snapshot(self) -> dict[str, PeerCount]:
         with self._lock:
-            return {n: PeerCount(**vars(c)) for n, c in self._peers.items()}
+            return {n: PeerCount(**{**vars(c), "recent_fetch_ms": deque(c.recent_fetch_ms)})
+                    for n, c in self._peers.items()}
 
     def stats_pb(self) -> list[pb.PeerStats]:
         return [pb.PeerStats(node_id=n, **vars(c)) for n, c in sorted(self.snapshot().items())]

@@ -145,9 +145,10 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         queries = _batch("Match: queries", request.queries)
         store = [q.store_tokens for q in queries]
         keyed = any(q.key_size or q.keys for q in queries)
-        if self.peer_fetch is not None and not keyed:
-            self.peer_fetch.fill([(q.namespace, q.tokens) for q in queries],
-                                 context.time_remaining() if context is not None else None)
+        fetcher = self.peer_fetch if not keyed else None
+        if fetcher is not None and not request.peer_fetch_async:  # wait for peers first
+            fetcher.fill([(q.namespace, q.tokens) for q in queries],
+                         context.time_remaining() if context is not None else None)
         outcomes = self.service.match_many(
             _owner(request.client_id),
             [(q.namespace, _data(q)) for q in queries] if keyed else
@@ -155,6 +156,10 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             request.lease_ttl_s or None, store if any(store) else None,
             [q.key_size for q in queries] if keyed else None,
             client=_client(context, request.client_id))
+        if fetcher is not None and request.peer_fetch_async:  # peers' blocks come meanwhile
+            started = fetcher.fill_async([(q.namespace, q.tokens) for q in queries], outcomes)
+            outcomes = [dataclasses.replace(o, fetching=True) if s else o
+                        for o, s in zip(outcomes, started, strict=True)]
         return match_response_pb(outcomes, self.service.epoch)
 
     @rpc

@@ -103,17 +103,19 @@ class MatchQuery(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., store_tokens: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("client_id", "queries", "lease_ttl_s")
+    __slots__ = ("client_id", "queries", "lease_ttl_s", "peer_fetch_async")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_ASYNC_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     queries: _containers.RepeatedCompositeFieldContainer[MatchQuery]
     lease_ttl_s: float
-    def __init__(self, client_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[MatchQuery, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    peer_fetch_async: bool
+    def __init__(self, client_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[MatchQuery, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ..., peer_fetch_async: _Optional[bool] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("lease_id", "num_tokens", "block_ids", "new_block_ids", "num_evicted", "alloc_error", "window_ids", "new_window_ids")
+    __slots__ = ("lease_id", "num_tokens", "block_ids", "new_block_ids", "num_evicted", "alloc_error", "window_ids", "new_window_ids", "fetching")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class MatchResult(_message.Message):
     ALLOC_ERROR_FIELD_NUMBER: _ClassVar[int]
     WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_WINDOW_IDS_FIELD_NUMBER: _ClassVar[int]
+    FETCHING_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     num_tokens: int
     block_ids: bytes
@@ -130,7 +133,8 @@ class MatchResult(_message.Message):
     alloc_error: str
     window_ids: bytes
     new_window_ids: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., alloc_error: _Optional[str] = ..., window_ids: _Optional[bytes] = ..., new_window_ids: _Optional[bytes] = ...) -> None: ...
+    fetching: bool
+    def __init__(self, lease_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., num_evicted: _Optional[int] = ..., alloc_error: _Optional[str] = ..., window_ids: _Optional[bytes] = ..., new_window_ids: _Optional[bytes] = ..., fetching: _Optional[bool] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results", "epoch")
@@ -341,7 +345,7 @@ class StatsResponse(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., live_leases: _Optional[int] = ..., expired_leases: _Optional[int] = ..., requests: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., recent_requests: _Optional[int] = ..., recent_query_tokens: _Optional[int] = ..., recent_hit_tokens: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., epoch: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., integrity: _Optional[str] = ..., event_sequence: _Optional[int] = ..., window_blocks: _Optional[int] = ..., free_window_blocks: _Optional[int] = ..., cached_window_blocks: _Optional[int] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ...) -> None: ...
 
 class PeerStats(_message.Message):
-    __slots__ = ("node_id", "blocks_in", "bytes_in", "blocks_out", "bytes_out", "fetches", "failures", "checksum_failures", "fetch_ms")
+    __slots__ = ("node_id", "blocks_in", "bytes_in", "blocks_out", "bytes_out", "fetches", "failures", "checksum_failures", "fetch_ms", "recent_fetch_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +355,7 @@ class PeerStats(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     FETCH_MS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FETCH_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     blocks_in: int
     bytes_in: int
@@ -360,7 +365,8 @@ class PeerStats(_message.Message):
     failures: int
     checksum_failures: int
     fetch_ms: float
-    def __init__(self, node_id: _Optional[str] = ..., blocks_in: _Optional[int] = ..., bytes_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., fetches: _Optional[int] = ..., failures: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., fetch_ms: _Optional[float] = ...) -> None: ...
+    recent_fetch_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, node_id: _Optional[str] = ..., blocks_in: _Optional[int] = ..., bytes_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., fetches: _Optional[int] = ..., failures: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., fetch_ms: _Optional[float] = ..., recent_fetch_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
     __slots__ = ("client_id", "node_id", "namespace", "tokens", "start_block", "layout", "chunk_bytes")

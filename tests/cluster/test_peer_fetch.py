@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -93,6 +97,15 @@ def peers(socket: str) -> dict[str, dict]:
         return {p["node_id"]: p for p in kv.stats().get("peers", [])}
 
 
+def inspect(socket: str) -> str:
+    """`radixkv inspect` of a member, as an operator runs it."""
+    out = subprocess.run([sys.executable, "-m", "radixkv", "inspect", "--socket", socket],
+                         env={**os.environ, "RADIXKV_AUTH_TOKEN": TOKEN, "COLUMNS": "200"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_a_prefix_stored_on_one_member_hits_on_another_with_equal_bytes(tmp_path, token_file):
     with two_members(tmp_path, token_file) as c:
         a, b = c.members["a"].socket, c.members["b"].socket
@@ -104,6 +117,8 @@ def test_a_prefix_stored_on_one_member_hits_on_another_with_equal_bytes(tmp_path
         assert peers(b)["a"]["blocks_in"] == BLOCKS
         assert peers(b)["a"]["bytes_in"] == BLOCKS * len(want[0])
         assert peers(a)["b"]["blocks_out"] == BLOCKS
+        shown = inspect(b)
+        assert re.search(rf"peer a +fetched {BLOCKS} blocks \(12\.0 KiB\) in 1 fetches", shown)
         # a longer prompt on b: b holds the first 12 blocks now, a has nothing more
         assert len(cached_bytes(b, prompt(1) + [7] * 4 * BLOCK_SIZE)) == BLOCKS
         for s in (a, b):  # nothing pinned left on either side, invariants hold
@@ -178,7 +193,6 @@ def test_a_holder_that_stalls_or_dies_mid_transfer_gives_the_verified_leading_ru
     """The holder sends blocks 0-5 and stalls before block 6: b's Match answers within its
     --peer-fetch-timeout (or as soon as the holder is killed) with the six verified blocks."""
     import threading
-    import time
 
     from radixkv.server.peer_source import STALL_BLOCK_ENV
 
@@ -199,3 +213,63 @@ def test_a_holder_that_stalls_or_dies_mid_transfer_gives_the_verified_leading_ru
         with Client(b.socket, token=TOKEN) as kv:
             st = kv.stats(check_integrity=True)
             assert st["integrity"] == "ok" and st["live_leases"] == 0
+
+
+def wait_known(a: str, b: str) -> None:
+    """Store a short prompt on a after what the test stored, and wait until b fetches it:
+    b's index then holds everything a stored before."""
+    store_random(a, prompt(99, 5), seed=99)
+    wait_for(lambda: cached_bytes(b, prompt(99, 5)), what="b to learn what a holds")
+
+
+def test_an_async_match_says_fetching_and_the_next_one_hits(tmp_path, token_file):
+    with two_members(tmp_path, token_file) as c:
+        a, b = c.members["a"].socket, c.members["b"].socket
+        want = store_random(a, prompt(9), seed=9)
+        wait_known(a, b)
+        with Client(b, token=TOKEN) as kv:
+            first = kv.match(NS, prompt(9), peer_fetch_async=True)
+            kv.release(first.lease_id)
+            assert first.fetching and first.num_tokens == 0  # answered at once, nothing yet
+
+            def hit() -> list[int] | None:
+                m = kv.match(NS, prompt(9), peer_fetch_async=True)
+                kv.release(m.lease_id)
+                return None if m.fetching else list(m.block_ids)
+            ids = wait_for(hit, what="the background fetch")
+            assert [bytes(kv.pool_of(first.epoch).block_bytes(i)) for i in ids] == want
+            assert kv.stats()["live_leases"] == 0
+
+
+def test_the_vllm_scheduler_asks_again_while_its_member_fetches(tmp_path, token_file,
+                                                                monkeypatch):
+    """The connector's scheduler side on b: `None` (vLLM's "ask again next step") while b pulls
+    the prompt from a, then the whole prefix; the scheduler thread never waits on a."""
+    from types import SimpleNamespace
+
+    from kvpool.layout import KVLayout
+    from radixkv.integrations.link import Link
+    from radixkv.integrations.vllm.scheduler import SchedulerSide, check_layout
+    from radixkv.integrations.vllm.stats import Stats
+
+    monkeypatch.setenv("RADIXKV_AUTH_TOKEN", TOKEN)
+    engine = KVLayout(2, 2, 8, "fp32", BLOCK_SIZE)  # the tiny layout's
+    with two_members(tmp_path, token_file) as c:
+        a, b = c.members["a"].socket, c.members["b"].socket
+        store_random(a, prompt(10), seed=10)
+        wait_known(a, b)
+        link = Link(b, "vllm-b", check=lambda cl: check_layout(cl, engine, "flags"), retry_s=0)
+        assert link.start()
+        side = SchedulerSide(link, "chat@rev1", BLOCK_SIZE, 60.0, Stats(None))
+        req = SimpleNamespace(request_id="r1", all_token_ids=prompt(10) + [7])
+        try:
+            answers = [side.matched(req, 0)]
+            while answers[-1] is None and len(answers) < 200:
+                time.sleep(0.02)
+                answers.append(side.matched(req, 0))
+            assert answers[0] is None and answers[-1] == BLOCKS * BLOCK_SIZE
+            side.after_alloc(req, list(range(BLOCKS)), 0)  # vLLM took none: lease released
+        finally:
+            link.close()
+        with Client(b, token=TOKEN) as kv:
+            assert kv.stats()["live_leases"] == 0

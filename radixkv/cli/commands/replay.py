@@ -11,7 +11,7 @@ from typing import Any
 
 from radixkv.cli.flags import QUANTIZED_KV_DTYPES, add_policy_flag, add_sink_fraction_flag
 from radixkv.protocol.errors import InvalidArgument
-from radixkv.replay.cluster import ReplayWindow
+from radixkv.replay.cluster import ReplayWindow, StartedCluster
 from radixkv.replay.plots import write_plots
 from radixkv.replay.report import render_report
 from radixkv.replay.routing import POLICIES as ROUTING_POLICIES
@@ -70,20 +70,7 @@ def register(sub: Any) -> None:
     p.add_argument("--round-trips", type=int, choices=(2, 4), default=2,
                    help="per request: 2 (Match also allocates, Insert also releases; default) "
                    "or 4 (Match, Allocate, Insert, Release)")
-    g = p.add_argument_group("cluster (radixkv/replay/routing.py)")
-    g.add_argument("--nodes", type=int, default=0, metavar="N",
-                   help="start etcd, N members of --capacity-blocks each and a router, and "
-                   "replay over them (0, default: one service)")
-    g.add_argument("--router", default=None, metavar="ADDR",
-                   help="replay over a running cluster through this router instead")
-    g.add_argument("--routing", default="cache-aware",
-                   choices=ROUTING_POLICIES,
-                   help="how each request's member is chosen (cache-aware: the router's Route)")
-    g.add_argument("--kill-member-after", type=int, default=None, metavar="REQUESTS",
-                   help="SIGKILL one member (with --nodes) once this many requests are done")
-    g.add_argument("--reference", action="store_true",
-                   help="also replay on one node of N x --capacity-blocks (with --nodes) and "
-                   "report the cluster's hit rate against it")
+    _add_cluster_flags(p)
     g = p.add_argument_group("disk tier (docs/disk-tier.md)")
     g.add_argument("--disk-capacity-blocks", type=int, default=0, metavar="N",
                    help="give the started service a disk tier of N blocks below its "
@@ -114,6 +101,27 @@ class MemoryCapacity:
     window_blocks: int = 0  # a sliding-window pool's window parts
     note: str = ""  # for the report: how a windowed pool's memory splits
     window: ReplayWindow | None = None  # the replayed service's window (windowed presets)
+
+
+def _add_cluster_flags(p: Any) -> None:
+    g = p.add_argument_group("cluster (radixkv/replay/routing.py)")
+    g.add_argument("--nodes", type=int, default=0, metavar="N",
+                   help="start etcd, N members of --capacity-blocks each and a router, and "
+                   "replay over them (0, default: one service)")
+    g.add_argument("--router", default=None, metavar="ADDR",
+                   help="replay over a running cluster through this router instead")
+    g.add_argument("--routing", default="cache-aware",
+                   choices=ROUTING_POLICIES,
+                   help="how each request's member is chosen (cache-aware: the router's Route)")
+    g.add_argument("--kill-member-after", type=int, default=None, metavar="REQUESTS",
+                   help="SIGKILL one member (with --nodes) once this many requests are done")
+    g.add_argument("--reference", action="store_true",
+                   help="also replay on one node of N x --capacity-blocks (with --nodes) and "
+                   "report the cluster's hit rate against it")
+    g.add_argument("--peer-fetch", action="store_true",
+                   help="the members pull a prompt's prefix from the member that holds it "
+                   "(serve --peer-fetch, with --nodes); the report adds peer_fetched_blocks, "
+                   "peer_fetch_bytes, peer_fetch_p50_ms")
 
 
 def memory_capacity(preset: str, kv_dtype: str, block_size: int, memory: str,
@@ -171,6 +179,19 @@ def disk_tier(args: argparse.Namespace) -> tuple[str, int] | None:
     return (args.disk_dir or "", args.disk_capacity_blocks)
 
 
+def started_cluster(args: argparse.Namespace) -> StartedCluster | None:
+    """The cluster the replay starts (--nodes and what goes with it), or None."""
+    if args.peer_fetch and not args.nodes:
+        raise InvalidArgument("--peer-fetch starts members that fetch from each other: with "
+                              "--nodes")
+    if args.kill_member_after is not None and not args.nodes:
+        raise InvalidArgument("nodes must be >= 0; kill_member_after needs a cluster started "
+                              "here (nodes > 0)")
+    if not args.nodes:
+        return None
+    return StartedCluster(args.nodes, args.kill_member_after, args.reference, args.peer_fetch)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `radixkv replay` from parsed flags; 1 if a hit's bytes came back wrong."""
     if args.trace == "synthetic":
@@ -201,8 +222,8 @@ def run(args: argparse.Namespace) -> int:
         verify=not args.no_verify, round_trips=args.round_trips,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         num_windows=args.windows, progress=True,
-        trace_name=args.trace, nodes=args.nodes, router=args.router, routing=args.routing,
-        kill_member_after=args.kill_member_after, reference=args.reference, hints=args.hints,
+        trace_name=args.trace, router=args.router, routing=args.routing,
+        started=started_cluster(args), hints=args.hints,
         window=window, conversations=args.conversations,
         disk=disk_tier(args))
     if note:

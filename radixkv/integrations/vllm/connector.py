@@ -144,7 +144,7 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ---- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.matched(request, num_computed_tokens), False
 

@@ -91,6 +91,9 @@ def request_namespace(base: str, request: Any) -> str:
     return ns
 
 
+ASK_AGAIN_S = 5.0  # the longest a request waits for a member's peer fetch before it computes
+
+
 class SchedulerSide:
     def __init__(self, link: Link, namespace: str, block_size: int, lease_ttl: float,
                  stats: Stats) -> None:
@@ -102,6 +105,7 @@ class SchedulerSide:
         self._pending: dict[str, Pending] = {}
         self._loads: list[Load] = []
         self._saves: list[Save] = []
+        self._asking: dict[str, float] = {}  # request id -> when its first Match was asked
 
     def _release(self, lease_id: int) -> None:
         try:
@@ -109,18 +113,21 @@ class SchedulerSide:
         except Down:
             pass  # its TTL ends it
 
-    def _match(self, ns: str, tokens: list[int], store: int = 0) -> LeaseMatch:
+    def _match(self, ns: str, tokens: list[int], store: int = 0,
+               peer_async: bool = False) -> LeaseMatch:
         """Match (Down: a miss); the layout of a pool epoch new to the link is checked before
         the answer is used (a mismatch: the lease released, the link refuses, Down)."""
         def run(c: Client) -> LeaseMatch:
-            m = c.match(ns, tokens, self.lease_ttl, store)
+            m = c.match(ns, tokens, self.lease_ttl, store, peer_async)
             self.link.check_answer(c, m.epoch, lambda: c.release(m.lease_id))
             return m
         return self.link.call(run)
 
-    def matched(self, request: Any, num_computed: int) -> int:
+    def matched(self, request: Any, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` that radixkv holds for this request (whole blocks,
-        never the last token); the lease stays pending until `after_alloc`."""
+        never the last token); the lease stays pending until `after_alloc`. None ("ask again
+        next step": vLLM schedules others meanwhile) while the member fetches the prompt's
+        blocks from a peer, for at most ASK_AGAIN_S per request."""
         old = self._pending.pop(request.request_id, None)
         if old is not None:
             self._release(old.lease_id)
@@ -132,10 +139,16 @@ class SchedulerSide:
         ns = request_namespace(self.namespace, request)
         query = list(tokens[:limit])
         t0 = time.perf_counter()
+        asked = self._asking.setdefault(request.request_id, t0)
         try:
-            m = self._match(ns, query)
+            m = self._match(ns, query, peer_async=True)
         except Down:
+            self._asking.pop(request.request_id, None)
             return 0
+        if m.fetching and t0 - asked < ASK_AGAIN_S:
+            self._release(m.lease_id)
+            return None
+        self._asking.pop(request.request_id, None)
         self.stats.record(side="scheduler", op="match", req=request.request_id,
                           s=time.perf_counter() - t0, tokens=limit, hit=m.num_tokens)
         found = min(m.num_tokens, limit)
@@ -169,6 +182,7 @@ class SchedulerSide:
     def finished(self, request: Any, block_ids: Sequence[int]) -> bool:
         """Plan storing the request's computed whole blocks that radixkv lacks; True when a
         save is planned (vLLM then keeps the pages until the worker reports it done)."""
+        self._asking.pop(request.request_id, None)
         pending = self._pending.pop(request.request_id, None)
         if pending is not None:
             self._release(pending.lease_id)
