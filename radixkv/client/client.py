@@ -24,9 +24,10 @@ from typing import Any
 import grpc
 
 from kvpool import PoolMapping, attach
+from radixkv.client.channel import open_channel
 from radixkv.client.lease import Lease
 from radixkv.protocol import errors
-from radixkv.protocol.env import check_socket_dir, client_tls_ca, client_token, normalize_target
+from radixkv.protocol.env import check_socket_dir, client_token, normalize_target
 from radixkv.protocol.errors import InvalidArgument, RadixKVError
 from radixkv.protocol.tokens import ids_from_bytes, key_bytes, to_token_bytes
 from radixkv.protocol.values import (
@@ -72,21 +73,7 @@ class Client:
         self.client_id = client_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
         self._metadata = call_credentials(token or client_token())
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes),
-                   # a connection of its own: the server's per-client limits count TCP
-                   # connections, and two Clients of one process are two clients
-                   ("grpc.use_local_subchannel_pool", 1)]
-        ca = tls_ca or client_tls_ca()
-        if ca:
-            try:
-                root = open(ca, "rb").read()  # noqa: SIM115
-            except OSError as e:
-                raise errors.InvalidArgument(f"cannot read the TLS CA {ca!r}: {e}") from None
-            creds = grpc.ssl_channel_credentials(root_certificates=root)
-            self._channel = grpc.secure_channel(self.target, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(self.target, options=options)
+        self._channel = open_channel(self.target, max_message_bytes, tls_ca)
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)  # type: ignore[no-untyped-call]
         self._mapping: PoolMapping | None = None
         self._info: PoolInfo | None = None  # of the mapped pool (None: not fetched since start)

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from radixkv.client.channel import open_channel
 from radixkv.cluster.follower import backoff_s
 from radixkv.cluster.router import RankedMember, Router
-from radixkv.protocol.env import client_tls_ca, normalize_target
+from radixkv.protocol.env import normalize_target
 from radixkv.protocol.errors import InvalidArgument, OutOfBlocks, RadixKVError
 from radixkv.protocol.tokens import TOKEN_BYTES
 from radixkv.protocol.values import InsertItem, LeaseMatch
@@ -128,7 +129,9 @@ class PeerFetcher:
             if time.monotonic() >= end:
                 return
             try:
-                self._fill_one(namespace, tokens, end)
+                plan = self._plan(namespace, tokens)
+                if plan is not None:
+                    self._fetch(namespace, plan, end)
             except RadixKVError as e:  # a bad query: the Match itself says why
                 log.debug("peer fetch skipped for %s: %s", namespace, e)
 
@@ -188,11 +191,6 @@ class PeerFetcher:
         if held < self.config.min_blocks + local:
             return None
         return holder, held, tokens[:held * bs * TOKEN_BYTES]
-
-    def _fill_one(self, namespace: str, tokens: bytes, end: float) -> None:
-        plan = self._plan(namespace, tokens)
-        if plan is not None:
-            self._fetch(namespace, plan, end)
 
     def _fetch(self, namespace: str, plan: tuple[RankedMember, int, bytes], end: float) -> None:
         """Pin the local prefix, fetch the rest of plan's blocks, insert the verified run."""
@@ -273,15 +271,7 @@ class PeerFetcher:
         with self._lock:
             got = self._stubs.get(address)
             if got is None:
-                target = normalize_target(address)
-                options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-                ca = client_tls_ca()
-                if ca and not target.startswith("unix:"):
-                    with open(ca, "rb") as f:
-                        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-                    channel = grpc.secure_channel(target, creds, options=options)
-                else:
-                    channel = grpc.insecure_channel(target, options=options)
+                channel = open_channel(normalize_target(address), MAX_MESSAGE_BYTES)
                 got = self._stubs[address] = (
                     channel, radixkv_pb2_grpc.RadixKVStub(channel))  # type: ignore[no-untyped-call]
             return got[1]

@@ -43,24 +43,31 @@ def tcp_flags(token_file: str, node: str, again: bool = False) -> tuple[str, ...
 
 
 @contextlib.contextmanager
-def two_members(tmp_path, token_file: str, *extra: str,
-                env: dict[str, str] | None = None) -> Iterator[LocalCluster]:
-    """etcd + members a and b, each on its own TCP port with the token and --peer-fetch."""
-    flags = tiny_flags(str(tmp_path), num_blocks=64)
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """`env` set in os.environ (what a server started meanwhile inherits), then as before."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        with local_cluster(0, *flags, router=False) as c:
-            c.start_member("a", *tcp_flags(token_file, "a"), *extra)
-            if env:  # only the holder gets the test hook
-                for k, v in old.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-                env = None
-            c.start_member("b", *tcp_flags(token_file, "b"), *extra)
-            yield c
+        yield
     finally:
         for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def two_members(tmp_path, token_file: str, *extra: str,
+                env: dict[str, str] | None = None) -> Iterator[LocalCluster]:
+    """etcd + members a and b, each on its own TCP port with the token and --peer-fetch;
+    `env` (test hooks) for the holder a only."""
+    flags = tiny_flags(str(tmp_path), num_blocks=64)
+    with local_cluster(0, *flags, router=False) as c:
+        with environment(env or {}):
+            c.start_member("a", *tcp_flags(token_file, "a"), *extra)
+        c.start_member("b", *tcp_flags(token_file, "b"), *extra)
+        yield c
 
 
 def prompt(head: int, blocks: int = BLOCKS) -> list[int]:
