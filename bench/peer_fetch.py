@@ -108,7 +108,11 @@ def tcp_floor_s(nbytes: int, piece: int) -> float:
 
 
 def run_size(block_kib: int, mib: int, rounds: int) -> dict[str, Any]:
-    directory = tempfile.mkdtemp(prefix="rkv-pfb-")
+    with tempfile.TemporaryDirectory(prefix="rkv-pfb-") as directory:
+        return _run_size(directory, block_kib, mib, rounds)
+
+
+def _run_size(directory: str, block_kib: int, mib: int, rounds: int) -> dict[str, Any]:
     token_file = os.path.join(directory, "token")
     with open(token_file, "w") as f:
         f.write(TOKEN + "\n")

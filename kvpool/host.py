@@ -285,6 +285,10 @@ class HostBlockPool(_MappedBytes, BlockPool):
                 os.unlink(self.path)
             raise
         self._fd = fd  # kept open: holds the flock
+        # the service's own copies into blocks (disk promotions, peer fetches) then do not pay a
+        # page fault per 4 KiB either; the memory is reserved already, only the entries are new
+        assert self._map.mm is not None
+        self.prefault = Prefault(self._map.mm, self.name) if reserve else None
         with _LIVE_LOCK:
             _LIVE[self.path] = self.owner_pid
         self._finalizer = weakref.finalize(self, _finalize_owner, self.path, self.owner_pid, fd)
@@ -317,6 +321,8 @@ class HostBlockPool(_MappedBytes, BlockPool):
             if self._closed:
                 return
             self._closed = True
+        if self.prefault is not None:
+            self.prefault.stop()
         self._drop_views()
         self._finalizer()  # unlink + close the fd (releases the flock)
         if not self._map.release():

@@ -8,9 +8,9 @@ one Follower per other member: the same ClusterIndex the router builds), and the
       the index: the member holding the longest prefix (P blocks)     P < min: nothing
       a local Match pins what is here (L blocks)                      P - L < min: release
       Allocate P - L blocks on that lease (no room: release, nothing)
-      FetchBlocks(start_block = L) from the holder (radixkv/server/peer_source.py):
-        each block's CRC-32 checked, then its bytes written once into its pool block;
-        the first bad or missing block ends the run
+      FetchBlocks(start_block = L) from the holder (radixkv/server/peer_source.py), then its
+        data connection (radixkv/rpc/block_channel.py): each block read straight into its pool
+        block, then its checksum checked; the first bad or missing block ends the run
       Insert the verified leading run (L + V blocks) and release; the rest are freed
     then the Match runs as always and finds them
     a Match with peer_fetch_async (the vLLM connector's): the same fetch runs on a worker
@@ -27,22 +27,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
 from radixkv.client.channel import open_channel
 from radixkv.cluster.follower import backoff_s
 from radixkv.cluster.router import RankedMember, Router
-from radixkv.protocol.env import normalize_target
+from radixkv.protocol.env import client_tls_ca, normalize_target
 from radixkv.protocol.errors import InvalidArgument, OutOfBlocks, RadixKVError
 from radixkv.protocol.tokens import TOKEN_BYTES
 from radixkv.protocol.values import InsertItem, LeaseMatch
 from radixkv.protocol.wire import call_credentials, layout_pb
+from radixkv.rpc import block_channel
 from radixkv.rpc.etcd import NO_SECURITY, EtcdSecurity, EtcdTarget
 from radixkv.server.peers import PeerCounters
 from radixkv.service import KVService
@@ -53,7 +52,6 @@ log = logging.getLogger("radixkv.cluster")
 
 DEFAULT_MIN_BLOCKS = 4
 DEFAULT_TIMEOUT_S = 2.0
-CHUNK_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 
 
@@ -102,6 +100,7 @@ class PeerFetcher:
         self.owner = f"peer-fetch:{config.node_id}"
         self.layout = layout_pb(service.pool.layout)
         self._credentials = call_credentials(config.token)
+        self._tls = block_channel.client_context(client_tls_ca())
         self._lock = threading.Lock()
         self._stubs: dict[str, tuple[grpc.Channel, radixkv_pb2_grpc.RadixKVStub]] = {}
         self._failures: dict[str, tuple[int, float]] = {}  # node -> failures, left out until
@@ -208,8 +207,7 @@ class PeerFetcher:
             except OutOfBlocks:
                 return  # everything pinned: the Match misses as it would have
             start = time.monotonic()
-            run = self._stream(holder.node_id, holder.address, namespace, tokens, local,
-                               alloc.block_ids, end)
+            run = self._stream(holder, namespace, tokens, local, alloc.block_ids, end)
             if run.blocks:
                 ids = (*m.block_ids, *alloc.block_ids[:run.blocks])
                 self.service.insert_many(self.owner, [InsertItem(
@@ -221,40 +219,44 @@ class PeerFetcher:
             if not released:
                 self.service.release(self.owner, [m.lease_id])
 
-    def _stream(self, node: str, address: str, namespace: str, tokens: bytes, local: int,
+    def _stream(self, holder: RankedMember, namespace: str, tokens: bytes, local: int,
                 block_ids: tuple[int, ...], end: float) -> _Run:
-        """FetchBlocks from `node` into `block_ids` (blocks local.. of the prompt): the
+        """FetchBlocks from `holder` into `block_ids` (blocks local.. of the prompt): the
         verified leading run."""
         pool, run = self.service.pool, _Run()
-        bpb = pool.layout.bytes_per_block
         request = pb.FetchBlocksRequest(client_id=self.owner, node_id=self.config.node_id,
                                         namespace=namespace, tokens=tokens, start_block=local,
-                                        layout=self.layout, chunk_bytes=CHUNK_BYTES)
-        call = self._stub(address).FetchBlocks(request, timeout=max(0.01, end - time.monotonic()),
-                                               metadata=self._credentials)
+                                        layout=self.layout, max_blocks=len(block_ids))
+        call = self._stub(holder.address).FetchBlocks(
+            request, timeout=max(0.01, end - time.monotonic()), metadata=self._credentials)
         try:
-            for chunk in call:
-                if chunk.first_block != local + run.blocks \
-                        or len(chunk.data) != len(chunk.crc32) * bpb:
-                    run.failed = True  # out of order or torn: not this protocol
-                    break
-                data = memoryview(chunk.data)
-                for i, crc in enumerate(chunk.crc32):
-                    if run.blocks >= len(block_ids):
-                        break
-                    block = data[i * bpb:(i + 1) * bpb]
-                    if zlib.crc32(block) != crc:
-                        run.bad += 1
+            offer = next(call, None)
+            if offer is None or offer.first_block != local or not offer.num_blocks:
+                run.failed = offer is None
+                return run
+            host = normalize_target(holder.address).rsplit(":", 1)[0].strip("[]")
+            with block_channel.connect(host, offer.data_port, offer.ticket, self._tls,
+                                       end - time.monotonic()) as conn:
+                for block in block_ids[:offer.num_blocks]:
+                    ok = block_channel.recv_block(conn, local + run.blocks,
+                                                  pool.block_bytes(block).data, end)
+                    if not ok:
+                        run.bad += ok is False  # a checksum failed (None: the stream ended)
                         run.failed = True
                         return run
-                    pool.block_bytes(block_ids[run.blocks])[:] = np.frombuffer(block, np.uint8)
                     run.blocks += 1
-                    run.nbytes += bpb
+            for _ in call:  # the holder's end: its pin is gone
+                pass
         except grpc.RpcError as e:
             run.failed = True
-            log.info("peer fetch from %s stopped after %d blocks: %s %s", node, run.blocks,
-                     e.code().name, e.details())
+            log.info("peer fetch from %s stopped after %d blocks: %s %s", holder.node_id,
+                     run.blocks, e.code().name, e.details())
+        except OSError as e:
+            run.failed = True
+            log.info("peer fetch from %s stopped after %d blocks: %s", holder.node_id,
+                     run.blocks, e)
         finally:
+            run.nbytes = run.blocks * pool.layout.bytes_per_block
             call.cancel()
         return run
 

@@ -19,12 +19,15 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpool import create_pool
 from radixkv.protocol.errors import AlreadyExists, InvalidArgument, RadixKVError
+from radixkv.rpc import block_channel
 from radixkv.rpc.auth import AccessInterceptor, server_credentials
 from radixkv.rpc.executor import SplitExecutor
 from radixkv.rpc.process import insecure_warning, stop_on_signals
 from radixkv.rpc.unix_socket import claim_socket, release_socket
 from radixkv.server.config import ServerConfig
 from radixkv.server.metrics import Metrics
+from radixkv.server.peer_source import PeerSource
+from radixkv.server.peers import PeerCounters
 from radixkv.server.servicer import SERVICE_NAME, Servicer
 from radixkv.service import KVService
 from radixkv.service.tier import NoTier
@@ -104,7 +107,11 @@ class RadixKVServer:
         self.metrics: Metrics | None = None
         if cfg.metrics_port:
             self.metrics = Metrics(self.service)
-        self.servicer = Servicer(self.service, cfg.service.max_tokens, self.metrics)
+        # peer fetch's data connections: on the gRPC TCP host, with its TLS
+        source = PeerSource(self.service, PeerCounters(),
+                            cfg.tcp.rsplit(":", 1)[0].strip("[]") if cfg.tcp else "127.0.0.1",
+                            block_channel.server_context(cfg.tls_cert, cfg.tls_key))
+        self.servicer = Servicer(self.service, cfg.service.max_tokens, self.metrics, source)
         radixkv_pb2_grpc.add_RadixKVServicer_to_server(  # type: ignore[no-untyped-call]
             self.servicer, server)
         self.health = health.HealthServicer()

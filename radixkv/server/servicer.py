@@ -116,7 +116,7 @@ def _batch(what: str, items: Any) -> Any:
 
 class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     def __init__(self, service: KVService, max_tokens: int,
-                 observer: RpcObserver | None = None) -> None:
+                 observer: RpcObserver | None = None, source: PeerSource | None = None) -> None:
         self.service = service
         self.max_tokens = max_tokens
         self.observer = observer
@@ -124,8 +124,9 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         self._integrity_lock = threading.Lock()
         self._integrity_next = 0.0  # monotonic time before which Stats refuses the check
         self._integrity_spent = 0.0  # seconds the last check took
-        self.peers = PeerCounters()  # peer fetch, both ways
-        self._source = PeerSource(service, self.peers)
+        # peer fetch, both ways; `source`: the holder's side with its data host and TLS
+        self._source = source or PeerSource(service, PeerCounters())
+        self.peers = self._source.peers
         # serve --peer-fetch: radixkv/cluster/peer_fetch.py's PeerFetcher, asked before a Match
         self.peer_fetch: Any = None
 
@@ -264,7 +265,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
                                    nodes=[tree_node_pb(n) for n in nodes])
 
     def FetchBlocks(self, request: pb.FetchBlocksRequest,
-                    context: grpc.ServicerContext) -> Iterator[pb.FetchBlocksChunk]:
+                    context: grpc.ServicerContext) -> Iterator[pb.FetchBlocksOffer]:
         """A peer's fetch of cached blocks (radixkv/server/peer_source.py)."""
         try:
             yield from self._source.fetch(request, _client(context, request.client_id),

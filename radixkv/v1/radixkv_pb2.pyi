@@ -369,36 +369,36 @@ class PeerStats(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., blocks_in: _Optional[int] = ..., bytes_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., fetches: _Optional[int] = ..., failures: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., fetch_ms: _Optional[float] = ..., recent_fetch_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("client_id", "node_id", "namespace", "tokens", "start_block", "layout", "chunk_bytes")
+    __slots__ = ("client_id", "node_id", "namespace", "tokens", "start_block", "layout", "max_blocks")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     node_id: str
     namespace: str
     tokens: bytes
     start_block: int
     layout: KVLayout
-    chunk_bytes: int
-    def __init__(self, client_id: _Optional[str] = ..., node_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., start_block: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    max_blocks: int
+    def __init__(self, client_id: _Optional[str] = ..., node_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., start_block: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_blocks: _Optional[int] = ...) -> None: ...
 
-class FetchBlocksChunk(_message.Message):
-    __slots__ = ("epoch", "first_block", "data", "crc32", "num_blocks")
+class FetchBlocksOffer(_message.Message):
+    __slots__ = ("epoch", "first_block", "num_blocks", "data_port", "ticket")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     first_block: int
-    data: bytes
-    crc32: _containers.RepeatedScalarFieldContainer[int]
     num_blocks: int
-    def __init__(self, epoch: _Optional[str] = ..., first_block: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    data_port: int
+    ticket: bytes
+    def __init__(self, epoch: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class DiskStats(_message.Message):
     __slots__ = ("capacity_blocks", "blocks", "bytes", "slot_bytes", "hit_tokens", "promoted_blocks", "demoted_blocks", "evicted_blocks", "verify_failures", "pending_writes", "loaded_blocks", "dropped_at_load", "generation", "state", "last_error", "write_errors")

@@ -87,7 +87,7 @@ class RadixKVStub:
         self.FetchBlocks = channel.unary_stream(
                 '/radixkv.v1.RadixKV/FetchBlocks',
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksRequest.SerializeToString,
-                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksChunk.FromString,
+                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksOffer.FromString,
                 _registered_method=True)
 
 
@@ -167,8 +167,8 @@ class RadixKVServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchBlocks(self, request, context):
-        """Another member's peer fetch (radixkv/server/peer_source.py): the bytes of the cached blocks
-        of a prompt from start_block on, pinned while they are sent, each with its checksum.
+        """Another member's peer fetch (radixkv/server/peer_source.py): the cached blocks of a prompt
+        from start_block on, pinned while they are sent on a data connection the offer names.
         FAILED_PRECONDITION before any byte when the caller's layout is not this pool's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -231,7 +231,7 @@ def add_RadixKVServicer_to_server(servicer, server):
             'FetchBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchBlocks,
                     request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksRequest.FromString,
-                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksChunk.SerializeToString,
+                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksOffer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,7 +530,7 @@ class RadixKV:
             target,
             '/radixkv.v1.RadixKV/FetchBlocks',
             radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksRequest.SerializeToString,
-            radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksChunk.FromString,
+            radixkv_dot_v1_dot_radixkv__pb2.FetchBlocksOffer.FromString,
             options,
             channel_credentials,
             insecure,

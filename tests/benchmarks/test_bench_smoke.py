@@ -250,3 +250,20 @@ def test_compare_refuses_what_is_not_a_commit():
     out = subprocess.run([sys.executable, str(BENCH / "compare.py"), "no-such-rev", "--smoke"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "not a commit here" in out.stderr
+
+
+@pytest.mark.slow
+def test_peer_fetch_bench_runs_and_leaves_nothing():
+    """bench/peer_fetch.py at its smallest (etcd and two members): a figure for each block
+    size, and no pool segment or temp dir left behind."""
+    import tempfile
+
+    shm_before = set(os.listdir("/dev/shm"))
+    tmp_before = set(os.listdir(tempfile.gettempdir()))
+    report = json.loads(run(str(BENCH / "peer_fetch.py"), "--mib", "4", "--rounds", "1",
+                            "--block-kib", "1024,64", "--json"))
+    assert [r["block_kib"] for r in report["rows"]] == [1024, 64]
+    assert all(r["fetch_gbps"] > 0 and r["tcp_floor_gbps"] > 0 for r in report["rows"])
+    assert leaked_pools(shm_before) == []
+    assert [n for n in set(os.listdir(tempfile.gettempdir())) - tmp_before
+            if n.startswith("rkv-pfb-")] == []

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from socket import create_connection
 
 import grpc
 import numpy as np
@@ -22,6 +23,7 @@ from radixkv.client import Client
 from radixkv.cluster.local import LocalCluster, free_port, local_cluster
 from radixkv.protocol.tokens import to_token_bytes
 from radixkv.protocol.wire import call_credentials, layout_pb
+from radixkv.rpc import block_channel
 from radixkv.server.peer_source import CORRUPT_BLOCK_ENV
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
@@ -155,7 +157,7 @@ def test_another_layout_is_refused_before_any_byte_and_no_token_is_unauthenticat
 
     with two_members(tmp_path, token_file) as c:
         a = c.members["a"]
-        store_random(a.socket, prompt(3))
+        want = store_random(a.socket, prompt(3))
         address = ADDRESSES["a"]
         with Client(a.socket, token=TOKEN) as kv:
             layout = kv.pool_info().layout
@@ -171,9 +173,21 @@ def test_another_layout_is_refused_before_any_byte_and_no_token_is_unauthenticat
         with pytest.raises(grpc.RpcError) as e:
             list(stub(address).FetchBlocks(request, timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        chunks = list(stub(address).FetchBlocks(request, metadata=call_credentials(TOKEN),
-                                                timeout=10))
-        assert sum(len(ch.crc32) for ch in chunks) == BLOCKS
+        call = stub(address).FetchBlocks(request, metadata=call_credentials(TOKEN), timeout=10)
+        offer = next(call)
+        assert offer.num_blocks == BLOCKS and len(offer.ticket) == block_channel.TICKET_BYTES
+        # the data port is a plain TCP port: a local user without the ticket gets no byte
+        with create_connection(("127.0.0.1", offer.data_port), timeout=10) as stranger:
+            stranger.sendall(bytes(block_channel.TICKET_BYTES))
+            assert stranger.recv(1) == b""
+        got = []
+        end = time.monotonic() + 10
+        with block_channel.connect("127.0.0.1", offer.data_port, offer.ticket, None, 10) as conn:
+            for i in range(BLOCKS):
+                buf = bytearray(layout.bytes_per_block)
+                assert block_channel.recv_block(conn, i, memoryview(buf), end) is True
+                got.append(bytes(buf))
+        assert list(call) == [] and got == want
         with Client(a.socket, token=TOKEN) as kv:
             assert kv.stats()["live_leases"] == 0  # the pin ended with the stream
 

@@ -568,3 +568,13 @@ def test_an_attached_pool_is_mapped_in_ahead_of_use(prefault: bool) -> None:
                 assert _rss_kib(address) == 0
         finally:
             mapping.close()
+
+
+def test_the_owner_maps_its_pool_in_ahead_of_use() -> None:
+    """The owning process's own copies into blocks (a peer fetch's recv_into, disk promotions)
+    pay no page fault per 4 KiB either: its mapping is filled in the background too."""
+    with make_pool(8192) as pool:
+        assert pool.prefault is not None and pool.prefault.done.wait(30)
+        assert pool.prefault.filled == pool.nbytes
+        address = pool.numpy_view().__array_interface__["data"][0]
+        assert _rss_kib(address) * 1024 >= pool.nbytes - 4096
