@@ -428,6 +428,21 @@ def disk_tier(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def peer_fetch(r: dict[str, Any]) -> list[str]:
+    out = ["Member b pulls a cached prompt from member a (`serve --peer-fetch`, two processes, "
+           "TCP loopback with the cluster token): FetchBlocks as the handshake, then the blocks "
+           "on a data connection, each checked (XXH3-64) in b's pool. The floor is a plain TCP "
+           "copy of the same bytes between two processes in the same run (sendall of "
+           "block-sized pieces, recv_into a buffer). Best round of each.", ""]
+    out += table(["block", "prompt", "blocks", "fetch (b's fetch_ms)", "fetch GB/s",
+                  "TCP floor GB/s", "fetch / floor", "b's Match wall"],
+                 ([size(row["block_kib"] * 1024), size(row["bytes"]), num(row["blocks"]),
+                   f"{row['fetch_ms']:.1f} ms", f"{row['fetch_gbps']:.2f}",
+                   f"{row['tcp_floor_gbps']:.2f}", f"{row['fetch_vs_tcp']:.2f}",
+                   f"{row['match_ms']:.1f} ms"] for row in r["rows"]))
+    return out
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -452,6 +467,8 @@ SECTIONS = (
             cluster_policy),
     Section("compare", "Comparing two commits: the regression bench", compare),
     Section("disk_tier", "The disk tier: demote, promote, warm restart, TTFT", disk_tier),
+    Section("peer_fetch", "Peer fetch: one member pulls a prompt's blocks from another",
+            peer_fetch),
 )
 
 
