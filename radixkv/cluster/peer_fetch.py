@@ -234,7 +234,7 @@ class PeerFetcher:
             if offer is None or offer.first_block != local or not offer.num_blocks:
                 run.failed = offer is None
                 return run
-            host = normalize_target(holder.address).rsplit(":", 1)[0].strip("[]")
+            host = block_channel.data_host(holder.address)
             with block_channel.connect(host, offer.data_port, offer.ticket, self._tls,
                                        end - time.monotonic()) as conn:
                 for block in block_ids[:offer.num_blocks]:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
+from radixkv.protocol.env import normalize_target
 from radixkv.protocol.errors import InvalidArgument
 
 HEADER = struct.Struct("<IQ")
@@ -62,6 +63,17 @@ def client_context(ca: str | None) -> ssl.SSLContext | None:
         return ssl.create_default_context(cafile=ca)
     except (OSError, ssl.SSLError) as e:
         raise InvalidArgument(f"cannot read the TLS CA {ca!r}: {e}") from None
+
+
+def data_host(address: str) -> str:
+    """Where a member's data connections are: the host of its gRPC address, or loopback for a
+    member on a Unix socket (on this host, its data listener is on 127.0.0.1)."""
+    target = normalize_target(address)
+    if target.startswith("unix:"):
+        return "127.0.0.1"
+    for scheme in ("dns:///", "ipv4:", "ipv6:"):
+        target = target.removeprefix(scheme)
+    return target.rsplit(":", 1)[0].strip("[]")
 
 
 def listen(host: str) -> socket.socket:

@@ -271,3 +271,17 @@ def test_etcd_starts_on_other_ports_when_a_free_one_was_taken_meanwhile(monkeypa
                 assert etcd.get(b"/radixkv/t") == b"1"
             finally:
                 etcd.close()
+
+
+def test_round_robin_replay_with_peer_fetch_survives_a_killed_member():
+    """Round-robin over 3 members with --peer-fetch: members pull each other's prefixes (and
+    one is SIGKILLed mid-run, mid-fetch perhaps): every hit's bytes still verify."""
+    cli = [sys.executable, "-m", "radixkv", "replay", "--requests", "300", "--nodes", "3",
+           "--capacity-blocks", "300", "--clients", "2", "--routing", "round-robin",
+           "--peer-fetch", "--kill-member-after", "150", "--json"]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = json.loads(out.stdout)
+    assert d["mismatches"] == 0 and d["verified_blocks"] > 0
+    assert d["num_requests"] == 300 and d["cluster"]["killed"] == ["n0"]
+    assert d["peer_fetched_blocks"] > 0 and d["peer_fetch_bytes"] > 0

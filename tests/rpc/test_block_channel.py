@@ -82,3 +82,11 @@ def test_a_holder_that_goes_quiet_times_out():
         with pytest.raises(TimeoutError):
             block_channel.recv_block(conn, 0, memoryview(bytearray(BLOCK)),
                                      time.monotonic() + 0.2)
+
+
+@pytest.mark.parametrize(("address", "host"), [
+    ("10.0.0.1:50051", "10.0.0.1"), ("dns:///kv-a.internal:50051", "kv-a.internal"),
+    ("ipv6:[::1]:50051", "::1"), ("[fd00::2]:50051", "fd00::2"),
+    ("unix:///tmp/rkv/a.sock", "127.0.0.1"), ("/tmp/rkv/a.sock", "127.0.0.1")])
+def test_the_data_host_of_a_member_address(address, host):
+    assert block_channel.data_host(address) == host
