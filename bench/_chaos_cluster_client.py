@@ -60,7 +60,11 @@ class _Engine:
             for m in answer.members:
                 self.known[m.node_id] = m.address
             self.bump("routed")
-            return answer.members[0].node_id, answer.members[0].address
+            best = answer.members[0]
+            others = [m for m in answer.members[1:] if m.node_id not in exclude]
+            if self.args.get("spread") and others and self.rng.random() < 0.5:
+                best = self.rng.choice(others)  # not the holder: it fetches (--peer-fetch)
+            return best.node_id, best.address
         except RadixKVError:
             if self.router is not None:  # a fresh channel: no reconnect backoff to wait out
                 self.router.close()

@@ -3,6 +3,7 @@
     python bench/chaos.py --minutes 10 [--clients 4] [--json]
     python bench/chaos.py --seconds 30 --clients 3 --disk-blocks 96 --json   # what CI runs
     python bench/chaos.py --cluster --members 3 --minutes 10 --json  # etcd, members, a router
+    python bench/chaos.py --cluster --peer-fetch --seconds 30 --json  # ... members fetching
 
     supervisor (this process)                      client processes (spawn) x N
     start_server(socket) ---------------------->   Match -> read the hit blocks, check their keys
@@ -314,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="etcd + --members members + a router; the faults (every "
                    "--restart-every s) are SIGKILLs of a member, the router or etcd")
     g.add_argument("--members", type=int, default=3, help="cluster members (3)")
+    g.add_argument("--peer-fetch", action="store_true",
+                   help="members run --peer-fetch (from 1 block) and engines send half their "
+                   "requests to another member than the router names, which then fetches")
     g.add_argument("--converge-s", type=float, default=20.0, metavar="S",
                    help="the router's index must match every member's DumpTree within S "
                    "seconds of the end (20)")
@@ -328,6 +332,8 @@ def run_cluster(a: argparse.Namespace, directory: str) -> tuple[dict[str, Any], 
         json.dump(LAYOUT, f)
     flags = ("--model-config", config, "--block-size", str(a.block_size),
              "--num-blocks", str(a.num_blocks), "--lease-ttl", str(a.lease_ttl))
+    if a.peer_fetch:
+        flags = (*flags, "--peer-fetch", "--peer-fetch-min-blocks", "1")
     shm_before = _shm_names()
     chaos = ClusterChaos(a, directory, flags, mp.get_context("spawn"), log)
     try:

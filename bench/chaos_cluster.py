@@ -16,7 +16,9 @@ pinned, free + cached == total, integrity ok; the router's index converges to ev
 DumpTree (state indexed, the same block count) within --converge-s seconds of the last fault,
 and the time it took is reported; SIGTERM everything; no shared-memory segment of this run's
 members may remain. Every piece runs with one cluster token, so the member records are signed
-and every listener checks the token.
+and every listener checks the token. With --peer-fetch the members run `serve --peer-fetch` and
+the engines send half their requests to another member than the one the router names: that
+member fetches the prefix from its holder (mid-fault, often), and every hit is verified the same.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class ClusterChaos:
     def spawn_client(self) -> None:
         counters = self.ctx.RawArray("q", len(COUNTERS))
         args = {"router": self.router_path, "block_size": self.a.block_size,
-                "lease_ttl": self.a.lease_ttl, "seed": self.a.seed}
+                "lease_ttl": self.a.lease_ttl, "seed": self.a.seed,
+                "spread": self.a.peer_fetch}
         p = self.ctx.Process(target=cluster_client_main,
                              args=(args, self.slot, counters, self.stop_clients), daemon=True)
         self.slot += 1
@@ -196,6 +199,8 @@ class ClusterChaos:
             "converged": converge_s is not None,
             "converge_s": round(converge_s, 2) if converge_s is not None else None,
             "member_crashes": self.crashes,
+            "peer_fetched_blocks": sum(p.get("blocks_in", 0) for f in finals.values()
+                                       for p in f.get("peers", [])),
             "requests_per_s": round(t["requests"] / elapsed, 1),
             **{k: v for k, v in t.items() if k not in ("requests", "mismatches")},
         }
