@@ -2,6 +2,8 @@
 0 / 50 / 90 % of their tokens; against no cache, vLLM's own prefix cache and ExampleConnector.
 
     .venv/bin/python bench/vllm_ttft.py --json    # long on 2 cores: docs/vllm.md says how long
+    .venv/bin/python bench/vllm_ttft.py --peer --shares 50,90 --repeat 2 --json
+                                    # B on another member than A: peer fetch (bench/_vllm_peer.py)
 
 The engines are vLLM (CPU, `vllm.LLM`) processes of radixkv.integrations.vllm.driver, run with
 .venv-vllm's python (`scripts/bootstrap_vllm` runs first if that venv is missing), on SmolLM2
@@ -137,25 +139,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         logs.mkdir(parents=True, exist_ok=True)
         flags = ["--model-config", f"{model}/config.json", "--dtype", "bf16",
                  "--block-size", str(BLOCK), "--num-blocks", str(num_blocks)]
-        with radixkv_server(directory, *flags) as sock:
-            def radixkv(name: str) -> dict[str, Any]:
-                return {"kv_connector": "RadixKVConnector",
-                        "kv_connector_module_path": "radixkv.integrations.vllm",
-                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                        "kv_connector_extra_config": {"socket": sock,
-                                                      "stats_file": str(work / name),
-                                                      "layerwise": not args.whole_loads,
-                                                      "load_cpus": args.load_cpus}}
 
-            def engine(name: str, connector: dict[str, Any] | None,
-                       *extra: str) -> Driver:
-                t0 = time.perf_counter()
-                d = Driver(python, model, logs / f"{name}.log", connector, args.cpu,
-                           ("--max-model-len", str(n + 512), *extra))
-                log(f"bench: engine {name} up in {time.perf_counter() - t0:.0f} s")
-                return d
+        def radixkv(sock: str, name: str) -> dict[str, Any]:
+            return {"kv_connector": "RadixKVConnector",
+                    "kv_connector_module_path": "radixkv.integrations.vllm",
+                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"socket": sock,
+                                                  "stats_file": str(work / name),
+                                                  "layerwise": not args.whole_loads,
+                                                  "load_cpus": args.load_cpus}}
 
-            a = engine("A", radixkv("a.jsonl"), "--no-prefix-cache")
+        def engine(name: str, connector: dict[str, Any] | None, *extra: str) -> Driver:
+            t0 = time.perf_counter()
+            d = Driver(python, model, logs / f"{name}.log", connector, args.cpu,
+                       ("--max-model-len", str(n + 512), *extra))
+            log(f"bench: engine {name} up in {time.perf_counter() - t0:.0f} s")
+            return d
+
+        def store_on_a(sock: str) -> None:
+            a = engine("A", radixkv(sock, "a.jsonl"), "--no-prefix-cache")
             try:
                 a_stats = Stats(work / "a.jsonl")
                 for _, pa, _, _ in cases:
@@ -163,9 +165,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     a_stats.until_saved()
             finally:
                 a.close()
-            engines: list[Driver] = []
+
+        b_stats = Stats(work / "b.jsonl")
+        engines: list[Driver] = []
+        if args.peer:
+            from _vllm_peer import measure_peer, two_members
+
+            with two_members(directory, *flags) as (sock_a, sock_b):
+                store_on_a(sock_a)
+                try:
+                    b = engine("B", radixkv(sock_b, "b.jsonl"), "--no-prefix-cache")
+                    engines.append(b)
+                    nc = engine("N", None)
+                    engines.append(nc)
+                    rows = measure_peer(args, shares, cases, b, nc, sock_b, text, ttft)
+                finally:
+                    for d in engines:
+                        d.close()
+            return {"mode": "peer", "model": models.REAL_MODEL, "prompt_tokens": n,
+                    "block_size": BLOCK, "repeat": args.repeat, "max_tokens": args.max_tokens,
+                    "cpu": args.cpu, "load_average": os.getloadavg(), "seed": args.seed,
+                    "rows": rows, "goals": peer_goals(rows), "goal_text": PEER_GOALS}
+        with radixkv_server(directory, *flags) as sock:
+            store_on_a(sock)
             try:
-                b = engine("B", radixkv("b.jsonl"), "--no-prefix-cache")
+                b = engine("B", radixkv(sock, "b.jsonl"), "--no-prefix-cache")
                 engines.append(b)
                 nc = engine("N", None)
                 engines.append(nc)
@@ -177,7 +201,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "stats_file": str(work / "e.jsonl")}}
                 e = engine("E", example, "--no-prefix-cache")
                 engines.append(e)
-                b_stats = Stats(work / "b.jsonl")
                 rows = measure(args, shares, cases, b, nc, e, b_stats, Stats(work / "e.jsonl"),
                                text)
             finally:
@@ -321,6 +344,20 @@ def ratio_of(t: dict[str, list[float]]) -> Any:
         x / y for x, y in zip(t["radixkv"], t[key], strict=True))
 
 
+PEER_GOALS = "90 % shared, B's prefix fetched from A's member: <= 0.3x no cache; outputs " \
+    "identical to vLLM's prefix cache"
+
+
+def peer_goals(rows: list[dict[str, Any]]) -> dict[str, bool]:
+    by = {r["shared_pct"]: r for r in rows}
+    out: dict[str, bool] = {}
+    if 90 in by:
+        out["90pct_ratio_vs_no_cache<=0.3"] = by[90]["ratio_vs_no_cache"] <= 0.3
+    out["outputs_identical_to_vllm_prefix_cache"] = all(
+        r["outputs_identical_to_vllm_prefix_cache"] for r in rows)
+    return out
+
+
 def goals(rows: list[dict[str, Any]]) -> dict[str, bool]:
     by = {r["shared_pct"]: r for r in rows}
     out: dict[str, bool] = {}
@@ -356,6 +393,9 @@ def main() -> None:
                    "or a list such as '1')")
     p.add_argument("--whole-loads", action="store_true", help="copy loads whole before the "
                    "forward (the connector's layerwise false) instead of layer by layer")
+    p.add_argument("--peer", action="store_true", help="B's member is another than A's: two "
+                   "members (etcd, TCP with a token, serve --peer-fetch), B's prefix comes by "
+                   "peer fetch; no ExampleConnector (bench/_vllm_peer.py)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts' token ids")
     p.add_argument("--logs", default=None, help="keep the engines' logs in this folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -367,6 +407,12 @@ def main() -> None:
         emit("vllm_ttft", report, True)
         return
     rows = report["rows"]
+    if args.peer:
+        keys: tuple[str, ...] = ("ratio_vs_no_cache", "ratio_vs_vllm_prefix_cache",
+                                 "peer_fetch_ms", "ttft_peer_ms", "ttft_no_cache_ms",
+                                 "outputs_identical_to_vllm_prefix_cache")
+        emit("vllm_ttft", {k: {r["shared_pct"]: r[k] for r in rows} for k in keys}, False)
+        return
     keys = ("ratio_vs_no_cache", "ratio_vs_vllm_prefix_cache", "ratio_vs_example_connector",
             "connector_share", "connector_vs_example_connector", "ttft_radixkv_ms",
             "ttft_no_cache_ms", "outputs_identical")

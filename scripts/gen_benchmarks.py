@@ -443,6 +443,48 @@ def peer_fetch(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def peer_replay(r: dict[str, Any]) -> list[str]:
+    out = [f"`{r['trace']}` (512-token blocks) over {r['nodes']} members of "
+           f"{num(r['capacity_blocks'])} blocks, {r['clients']} client processes, every hit's "
+           f"bytes verified; the reference is one node of {r['nodes']} x "
+           f"{num(r['capacity_blocks'])} blocks: token hit rate "
+           f"{pct(r['reference_token_hit_rate'])}.", ""]
+    out += table(["routing", "peer fetch", "token hit rate", "vs one node", "blocks fetched",
+                  "bytes fetched", "fetch p50", "mismatches", "wall"],
+                 ([row["routing"], "on" if row["peer_fetch"] else "off",
+                   pct(row["token_hit_rate"]), f"{row['vs_reference']:.3f}",
+                   num(row["peer_fetched_blocks"]), size(row["peer_fetch_bytes"]),
+                   f"{row['peer_fetch_p50_ms']:.1f} ms" if row["peer_fetch"] else "-",
+                   row["mismatches"], f"{row['wall_s']:.0f} s"] for row in r["rows"]))
+    out += ["", f"Round-robin with peer fetch over one node: "
+            f"{r['round_robin_peer_vs_reference']:.3f}x (goal 0.95); cache-aware with peer "
+            f"fetch over cache-aware without: {r['cache_aware_peer_vs_without']:.3f}x "
+            "(goal >= 1)."]
+    return out
+
+
+def vllm_ttft_peer(r: dict[str, Any]) -> list[str]:
+    out = [f"`bench/vllm_ttft.py --peer`: {num(r['prompt_tokens'])}-token prompts, engine A on "
+           "member a stores them, engine B on member b (no prefix cache) gets the shared prefix "
+           "by peer fetch (b answers vLLM \"ask again\" while it pulls the blocks from a), "
+           f"N is no cache and then vLLM's own prefix cache; `{r['model']}` in bf16, block size "
+           f"{r['block_size']}, engines pinned to CPU {r['cpu']}; medians of {r['repeat']} "
+           "prompts per share.", ""]
+    out += table(["shared", "B's hit tokens", "blocks fetched", "b's fetch", "TTFT B",
+                  "no cache", "vLLM prefix cache", "B / no cache", "B / vLLM cache",
+                  "outputs = vLLM cache"],
+                 ([f"{row['shared_pct']} %", num(row["radixkv_hit_tokens"]),
+                   num(row["peer_fetched_blocks"]), f"{row['peer_fetch_ms']:.0f} ms",
+                   f"{row['ttft_peer_ms']:,.0f} ms", f"{row['ttft_no_cache_ms']:,.0f} ms",
+                   f"{row['ttft_vllm_prefix_cache_ms']:,.0f} ms",
+                   f"{row['ratio_vs_no_cache']:.2f}", f"{row['ratio_vs_vllm_prefix_cache']:.2f}",
+                   "yes" if row["outputs_identical_to_vllm_prefix_cache"] else "no"]
+                  for row in r["rows"]))
+    goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
+    out += ["", f"Goals ({r['goal_text']}): {goals}."]
+    return out
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -469,6 +511,10 @@ SECTIONS = (
     Section("disk_tier", "The disk tier: demote, promote, warm restart, TTFT", disk_tier),
     Section("peer_fetch", "Peer fetch: one member pulls a prompt's blocks from another",
             peer_fetch),
+    Section("peer_replay", "Peer fetch at cluster scale: a trace over four members",
+            peer_replay),
+    Section("vllm_ttft_peer", "vLLM across two members: the prefix by peer fetch",
+            vllm_ttft_peer),
 )
 
 
