@@ -4,7 +4,8 @@
 one Follower per other member: the same ClusterIndex the router builds), and the servicer asks
 `fill` before each Match batch:
 
-    for each token query, within --peer-fetch-timeout and the Match's own deadline:
+    for each query (token ids, or SGLang's block keys), within --peer-fetch-timeout and
+    the Match's own deadline:
       the index: the member holding the longest prefix (P blocks)     P < min: nothing
       a local Match pins what is here (L blocks)                      P - L < min: release
       Allocate P - L blocks on that lease (no room: release, nothing)
@@ -39,7 +40,7 @@ from radixkv.cluster.router import RankedMember, Router
 from radixkv.protocol.env import client_tls_ca, normalize_target
 from radixkv.protocol.errors import InvalidArgument, OutOfBlocks, RadixKVError
 from radixkv.protocol.tokens import TOKEN_BYTES
-from radixkv.protocol.values import InsertItem, LeaseMatch
+from radixkv.protocol.values import InsertItem, LeaseMatch, MatchQuery
 from radixkv.protocol.wire import call_credentials, layout_pb
 from radixkv.rpc import block_channel
 from radixkv.rpc.etcd import NO_SECURITY, EtcdSecurity, EtcdTarget
@@ -63,6 +64,17 @@ class PeerFetchConfig:
     security: EtcdSecurity = NO_SECURITY
     min_blocks: int = DEFAULT_MIN_BLOCKS
     timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A fetch to make: from `holder`, which holds `held` blocks of `data` (tokens or keys)."""
+
+    namespace: str
+    key_size: int
+    holder: RankedMember
+    held: int
+    data: bytes
 
 
 @dataclass(slots=True)
@@ -118,114 +130,113 @@ class PeerFetcher:
                 channel.close()
             self._stubs.clear()
 
-    def fill(self, queries: list[tuple[str, bytes]], deadline_s: float | None) -> None:
+    def fill(self, queries: Sequence[MatchQuery], deadline_s: float | None) -> None:
         """Fetch into the pool what peers hold beyond the local prefix of each query; never
         raises, never runs past `deadline_s` (seconds from now) or the configured timeout."""
         budget = self.config.timeout_s if deadline_s is None \
             else min(self.config.timeout_s, deadline_s * 0.8)
         end = time.monotonic() + budget
-        for namespace, tokens in queries:
+        for query in queries:
             if time.monotonic() >= end:
                 return
             try:
-                plan = self._plan(namespace, tokens)
+                plan = self._plan(query)
                 if plan is not None:
-                    self._fetch(namespace, plan, end)
+                    self._fetch(plan, end)
             except RadixKVError as e:  # a bad query: the Match itself says why
-                log.debug("peer fetch skipped for %s: %s", namespace, e)
+                log.debug("peer fetch skipped for %s: %s", query.namespace, e)
 
-    def fill_async(self, queries: list[tuple[str, bytes]],
+    def fill_async(self, queries: Sequence[MatchQuery],
                    answers: Sequence[LeaseMatch]) -> list[bool]:
         """For each query whose local answer a peer beats by min_blocks, fetch in the
         background (one fetch per prompt prefix at a time); True where one runs now."""
         out = []
-        for (namespace, tokens), answer in zip(queries, answers, strict=True):
+        for query, answer in zip(queries, answers, strict=True):
             try:
-                plan = self._plan(namespace, tokens, answer.num_tokens // self.service.block_size)
+                plan = self._plan(query, answer.num_tokens // self.service.block_size)
             except RadixKVError:
                 plan = None
             if plan is None:
                 out.append(False)
                 continue
-            key = (namespace, plan[2])
+            key = (query.namespace, plan.data)
             with self._lock:
                 running = key in self._inflight
                 if not running:
                     self._inflight.add(key)
             if not running:
-                self._workers.submit(self._fill_background, namespace, plan, key)
+                self._workers.submit(self._fill_background, plan, key)
             out.append(True)
         return out
 
-    def _fill_background(self, namespace: str, plan: tuple[RankedMember, int, bytes],
-                         key: tuple[str, bytes]) -> None:
+    def _fill_background(self, plan: _Plan, key: tuple[str, bytes]) -> None:
         try:
-            self._fetch(namespace, plan, time.monotonic() + self.config.timeout_s)
+            self._fetch(plan, time.monotonic() + self.config.timeout_s)
         except RadixKVError as e:
-            log.debug("peer fetch for %s failed: %s", namespace, e)
+            log.debug("peer fetch for %s failed: %s", plan.namespace, e)
         except Exception:
-            log.exception("peer fetch for %s", namespace)
+            log.exception("peer fetch for %s", plan.namespace)
         finally:
             with self._lock:
                 self._inflight.discard(key)
 
-    def _plan(self, namespace: str, tokens: bytes,
-              local: int = 0) -> tuple[RankedMember, int, bytes] | None:
-        """The member holding the longest prefix of `tokens`, its blocks and those tokens; None
-        unless it holds min_blocks more than `local` (and min_blocks at all)."""
-        bs = self.service.block_size
-        whole = len(tokens) // (TOKEN_BYTES * bs)
+    def _plan(self, query: MatchQuery, local: int = 0) -> _Plan | None:
+        """The member holding the longest prefix of the query, its blocks and their tokens or
+        keys; None unless it holds min_blocks more than `local` (and min_blocks at all)."""
+        unit = query.key_size or TOKEN_BYTES * self.service.block_size  # bytes per block
+        whole = len(query.data) // unit
         if whole < self.config.min_blocks + local or not self.router.followers():
             return None
-        tokens = tokens[:whole * bs * TOKEN_BYTES]
         now = time.monotonic()
         with self._lock:
             out = frozenset(n for n, (_, until) in self._failures.items() if until > now)
-        members = [m for m in self.router.route(namespace, tokens, out, probe=True).members
+        members = [m for m in self.router.route(query.namespace, query.data[:whole * unit], out,
+                                                probe=True, key_size=query.key_size).members
                    if m.cached_tokens]
         if not members:
             return None
         holder = max(members, key=lambda m: (m.cached_tokens, -m.load))
-        held = holder.cached_tokens // bs
+        held = holder.cached_tokens // self.service.block_size
         if held < self.config.min_blocks + local:
             return None
-        return holder, held, tokens[:held * bs * TOKEN_BYTES]
+        return _Plan(query.namespace, query.key_size, holder, held, query.data[:held * unit])
 
-    def _fetch(self, namespace: str, plan: tuple[RankedMember, int, bytes], end: float) -> None:
+    def _fetch(self, plan: _Plan, end: float) -> None:
         """Pin the local prefix, fetch the rest of plan's blocks, insert the verified run."""
-        holder, held, tokens = plan
-        bs = self.service.block_size
-        m = self.service.match(self.owner, namespace, tokens,
-                               ttl_s=max(1.0, end - time.monotonic() + 1))
+        bs, ns, key_size = self.service.block_size, plan.namespace, plan.key_size
+        m = self.service.match(self.owner, ns, plan.data,
+                               ttl_s=max(1.0, end - time.monotonic() + 1), key_size=key_size)
         released = False
         try:
             local = m.num_tokens // bs
-            if held - local < self.config.min_blocks:
+            if plan.held - local < self.config.min_blocks:
                 return
             try:
-                alloc = self.service.allocate(self.owner, m.lease_id, namespace, held - local)
+                alloc = self.service.allocate(self.owner, m.lease_id, ns, plan.held - local,
+                                              key_size=key_size)
             except OutOfBlocks:
                 return  # everything pinned: the Match misses as it would have
             start = time.monotonic()
-            run = self._stream(holder, namespace, tokens, local, alloc.block_ids, end)
+            run = self._stream(plan, local, alloc.block_ids, end)
             if run.blocks:
                 ids = (*m.block_ids, *alloc.block_ids[:run.blocks])
+                unit = key_size or TOKEN_BYTES * bs
                 self.service.insert_many(self.owner, [InsertItem(
-                    m.lease_id, namespace, tokens[:len(ids) * bs * TOKEN_BYTES], ids)],
+                    m.lease_id, ns, plan.data[:len(ids) * unit], ids, key_size=key_size)],
                     [m.lease_id])
                 released = True
-            self._settle(holder.node_id, run, (time.monotonic() - start) * 1e3)
+            self._settle(plan.holder.node_id, run, (time.monotonic() - start) * 1e3)
         finally:
             if not released:
                 self.service.release(self.owner, [m.lease_id])
 
-    def _stream(self, holder: RankedMember, namespace: str, tokens: bytes, local: int,
-                block_ids: tuple[int, ...], end: float) -> _Run:
-        """FetchBlocks from `holder` into `block_ids` (blocks local.. of the prompt): the
-        verified leading run."""
-        pool, run = self.service.pool, _Run()
+    def _stream(self, plan: _Plan, local: int, block_ids: tuple[int, ...], end: float) -> _Run:
+        """FetchBlocks from the plan's holder into `block_ids` (blocks local.. of the prompt):
+        the verified leading run."""
+        pool, run, holder = self.service.pool, _Run(), plan.holder
         request = pb.FetchBlocksRequest(client_id=self.owner, node_id=self.config.node_id,
-                                        namespace=namespace, tokens=tokens, start_block=local,
+                                        namespace=plan.namespace, tokens=plan.data,
+                                        key_size=plan.key_size, start_block=local,
                                         layout=self.layout, max_blocks=len(block_ids))
         call = self._stub(holder.address).FetchBlocks(
             request, timeout=max(0.01, end - time.monotonic()), metadata=self._credentials)

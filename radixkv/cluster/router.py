@@ -207,9 +207,10 @@ class Router:
     # ---- routing -----------------------------------------------------------------------------
 
     def route(self, namespace: str, tokens: bytes, exclude: frozenset[str] = frozenset(),
-              probe: bool = False) -> RouteAnswer:
+              probe: bool = False, key_size: int = 0) -> RouteAnswer:
         """Healthy members ranked by cost (module docstring). InvalidArgument for a bad
-        namespace or no whole token; Unavailable when no member can be routed to."""
+        namespace or no whole token; Unavailable when no member can be routed to. `key_size`:
+        `tokens` holds block keys of that size (a key-keyed namespace; one key per block)."""
         check_namespace(namespace)
         if len(tokens) % TOKEN_BYTES:
             raise InvalidArgument(f"tokens are {len(tokens)} bytes, not a whole number of "
@@ -223,12 +224,14 @@ class Router:
             raise Unavailable(f"no member to route to in {self.target} ({states}"
                               f"{'; excluded ' + ', '.join(sorted(exclude)) if exclude else ''})")
         n_tokens = len(tokens) // TOKEN_BYTES
+        if key_size:  # a key per block: as many tokens as blocks of the members' size
+            n_tokens = len(tokens) // key_size * healthy[0].info.block_size
         by_size: dict[int, list[Follower]] = {}
         for f in healthy:
             by_size.setdefault(f.info.block_size, []).append(f)
         cached: dict[str, int] = {}
         for block_size, group in by_size.items():
-            hashes = chain_hashes(namespace, tokens, block_size)
+            hashes = chain_hashes(namespace, tokens, key_size // TOKEN_BYTES or block_size)
             got = self.index.cached_blocks(namespace, hashes, [f.node_id for f in group])
             cached.update({n: b * block_size for n, b in got.items()})
         with self._lock:

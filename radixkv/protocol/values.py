@@ -56,6 +56,15 @@ class Allocation:
 
 
 @dataclass(frozen=True, slots=True)
+class MatchQuery:
+    """One query of a Match: a namespace's token ids, or its block keys of key_size bytes."""
+
+    namespace: str
+    data: bytes
+    key_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class InsertItem:
     """One item of an Insert, as decoded from the wire and passed unchanged to the service:
     `block_ids` (one per full block of `tokens`) leased to `lease_id` or already cached there,

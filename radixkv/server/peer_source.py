@@ -67,14 +67,15 @@ class PeerSource:
                 f"(caller: {_describe(request.layout)}; here: {_describe(self.layout)})")
         if not request.client_id:
             raise InvalidArgument("FetchBlocks needs client_id (it owns the pin)")
-        bs = self.service.block_size
-        whole = len(request.tokens) // (TOKEN_BYTES * bs)
+        bs, key_size = self.service.block_size, request.key_size
+        unit = key_size or TOKEN_BYTES * bs  # bytes per block: a key, or bs token ids
+        whole = len(request.tokens) // unit
         if request.start_block >= whole:
             raise InvalidArgument(f"start_block {request.start_block}: the prompt has {whole} "
                                   f"whole blocks of {bs} tokens")
-        tokens = request.tokens[:whole * bs * TOKEN_BYTES]
-        m = self.service.match(request.client_id, request.namespace, tokens,
-                               ttl_s=FETCH_LEASE_TTL_S, client=client)
+        m = self.service.match(request.client_id, request.namespace,
+                               request.tokens[:whole * unit], ttl_s=FETCH_LEASE_TTL_S,
+                               key_size=key_size, client=client)
         sent = False
         try:
             ids = self._run(m.block_ids[request.start_block:], request.max_blocks)

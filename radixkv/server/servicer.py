@@ -25,7 +25,7 @@ from radixkv.protocol.errors import (
     StalePool,
 )
 from radixkv.protocol.tokens import ids_from_bytes, ids_to_bytes
-from radixkv.protocol.values import InsertItem
+from radixkv.protocol.values import InsertItem, MatchQuery
 from radixkv.protocol.wire import layout_pb, match_response_pb, pool_info_pb, tree_node_pb
 from radixkv.rpc.handlers import RpcObserver, abort, rpc
 from radixkv.server.peer_source import PeerSource
@@ -146,10 +146,11 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         queries = _batch("Match: queries", request.queries)
         store = [q.store_tokens for q in queries]
         keyed = any(q.key_size or q.keys for q in queries)
-        fetcher = self.peer_fetch if not keyed else None
+        fetcher = self.peer_fetch
+        asked = [MatchQuery(q.namespace, _data(q), q.key_size) for q in queries] \
+            if fetcher is not None else []
         if fetcher is not None and not request.peer_fetch_async:  # wait for peers first
-            fetcher.fill([(q.namespace, q.tokens) for q in queries],
-                         context.time_remaining() if context is not None else None)
+            fetcher.fill(asked, context.time_remaining() if context is not None else None)
         outcomes = self.service.match_many(
             _owner(request.client_id),
             [(q.namespace, _data(q)) for q in queries] if keyed else
@@ -158,7 +159,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
             [q.key_size for q in queries] if keyed else None,
             client=_client(context, request.client_id))
         if fetcher is not None and request.peer_fetch_async:  # peers' blocks come meanwhile
-            started = fetcher.fill_async([(q.namespace, q.tokens) for q in queries], outcomes)
+            started = fetcher.fill_async(asked, outcomes)
             outcomes = [dataclasses.replace(o, fetching=True) if s else o
                         for o, s in zip(outcomes, started, strict=True)]
         return match_response_pb(outcomes, self.service.epoch)

@@ -369,7 +369,7 @@ class PeerStats(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., blocks_in: _Optional[int] = ..., bytes_in: _Optional[int] = ..., blocks_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., fetches: _Optional[int] = ..., failures: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., fetch_ms: _Optional[float] = ..., recent_fetch_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("client_id", "node_id", "namespace", "tokens", "start_block", "layout", "max_blocks")
+    __slots__ = ("client_id", "node_id", "namespace", "tokens", "start_block", "layout", "max_blocks", "key_size")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +377,7 @@ class FetchBlocksRequest(_message.Message):
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     node_id: str
     namespace: str
@@ -384,7 +385,8 @@ class FetchBlocksRequest(_message.Message):
     start_block: int
     layout: KVLayout
     max_blocks: int
-    def __init__(self, client_id: _Optional[str] = ..., node_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., start_block: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+    key_size: int
+    def __init__(self, client_id: _Optional[str] = ..., node_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tokens: _Optional[bytes] = ..., start_block: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_blocks: _Optional[int] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class FetchBlocksOffer(_message.Message):
     __slots__ = ("epoch", "first_block", "num_blocks", "data_port", "ticket")

@@ -136,6 +136,40 @@ def test_a_prefix_stored_on_one_member_hits_on_another_with_equal_bytes(tmp_path
                 assert st["integrity"] == "ok" and st["live_leases"] == 0
 
 
+def test_a_keyed_prefix_hits_on_another_member_with_equal_bytes(tmp_path, token_file):
+    """SGLang's kind: blocks named by 16-byte keys (match_keys), fetched like token blocks."""
+    keys = [i.to_bytes(16, "little") for i in range(100, 100 + BLOCKS)]
+    ns = "hicache@rev1"
+    with two_members(tmp_path, token_file) as c:
+        a, b = c.members["a"].socket, c.members["b"].socket
+        rng = np.random.default_rng(3)
+        with Client(a, token=TOKEN) as kv:
+            m = kv.match_keys(ns, keys, store=True)
+            pool, want = kv.pool_of(m.epoch), []
+            for block in m.new_block_ids:
+                view = pool.block_bytes(block)
+                view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+                want.append(bytes(view))
+            kv.insert_keys(ns, keys, m.new_block_ids, m.lease_id, m.epoch, release=True)
+
+        def keyed_bytes() -> list[bytes]:
+            with Client(b, token=TOKEN) as kv:
+                m = kv.match_keys(ns, keys)
+                try:
+                    return [bytes(kv.pool_of(m.epoch).block_bytes(x)) for x in m.block_ids]
+                finally:
+                    kv.release(m.lease_id)
+
+        got = wait_for(lambda: (r := keyed_bytes()) and len(r) == BLOCKS and r,
+                       what="b to fetch a's keyed prefix")
+        assert got == want
+        assert peers(b)["a"]["blocks_in"] == BLOCKS
+        for s in (a, b):
+            with Client(s, token=TOKEN) as kv:
+                st = kv.stats(check_integrity=True)
+                assert st["integrity"] == "ok" and st["live_leases"] == 0
+
+
 def test_a_corrupted_block_is_dropped_and_counted(tmp_path, token_file):
     with two_members(tmp_path, token_file, env={CORRUPT_BLOCK_ENV: "5"}) as c:
         a, b = c.members["a"].socket, c.members["b"].socket
