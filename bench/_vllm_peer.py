@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from _common import log
+
 from radixkv.client import Client
 from radixkv.cluster.local import free_port, local_cluster
 
@@ -82,10 +84,10 @@ def measure_peer(args: Any, shares: list[int], cases: list[tuple[int, list[int],
         rp = timed(nc, pb)
         if not i % 2:
             rb, fetch_ms, fetched = peer(pb)
-        print(f"bench: {share}% shared{' (warm-up)' if i == 0 else ''}: peer "
-              f"{ttft(rb) * 1e3:.0f} ms (hit {rb['cached'][0]}, fetch {fetch_ms:.0f} ms, "
-              f"{fetched} blocks), no cache {ttft(rn) * 1e3:.0f}, vLLM cache "
-              f"{ttft(rp) * 1e3:.0f} (hit {rp['cached'][0]})", flush=True)
+        log(f"bench: {share}% shared{' (warm-up)' if i == 0 else ''}: peer "
+            f"{ttft(rb) * 1e3:.0f} ms (hit {rb['cached'][0]}, fetch {fetch_ms:.0f} ms, "
+            f"{fetched} blocks), no cache {ttft(rn) * 1e3:.0f}, vLLM cache "
+            f"{ttft(rp) * 1e3:.0f} (hit {rp['cached'][0]})")
         if i == 0:
             continue
         row = t[share]
