@@ -242,6 +242,33 @@ def test_a_dead_holder_is_a_miss_and_a_restarted_one_serves_again(tmp_path, toke
             assert st["integrity"] == "ok" and st["live_leases"] == 0
 
 
+def test_a_holder_that_evicted_the_prefix_offers_nothing_and_the_requester_misses(
+        tmp_path, token_file):
+    """What the index says a holder has can be gone by the time it is asked: the holder
+    offers only what its own Match pins (here nothing), and the requester misses cleanly."""
+    with two_members(tmp_path, token_file) as c:
+        a, b = c.members["a"].socket, c.members["b"].socket
+        store_random(a, prompt(8))
+        for head in range(20, 26):  # 6 x 12 blocks through a 64-block pool: prompt 8 goes
+            store_random(a, prompt(head), seed=head)
+        assert cached_bytes(a, prompt(8)) == []
+        with Client(a, token=TOKEN) as kv:
+            layout = kv.pool_info().layout
+        request = pb.FetchBlocksRequest(client_id="t", namespace=NS, layout=layout_pb(layout),
+                                        tokens=to_token_bytes(prompt(8)))
+        offers = list(stub(ADDRESSES["a"]).FetchBlocks(
+            request, metadata=call_credentials(TOKEN), timeout=10))
+        assert [o.num_blocks for o in offers] == [0]
+        assert cached_bytes(b, prompt(8)) == []  # a miss, not an error
+        want = cached_bytes(a, prompt(25))  # what a still holds is fetched as ever
+        assert wait_for(lambda: cached_bytes(b, prompt(25)) == want, timeout=30,
+                        what="b to fetch what a holds")
+        for s in (a, b):
+            with Client(s, token=TOKEN) as kv:
+                st = kv.stats(check_integrity=True)
+                assert st["integrity"] == "ok" and st["live_leases"] == 0
+
+
 @pytest.mark.parametrize("fault", ["timeout", "sigkill"])
 def test_a_holder_that_stalls_or_dies_mid_transfer_gives_the_verified_leading_run(
         tmp_path, token_file, fault):
