@@ -100,7 +100,7 @@ def measure_peer(args: Any, shares: list[int], cases: list[tuple[int, list[int],
 
 def _row(args: Any, share: int, t: dict[str, list[Any]]) -> dict[str, Any]:
     def ratio(key: str) -> float:
-        return statistics.median(x / y for x, y in zip(t["peer"], t[key], strict=True))
+        return float(statistics.median(x / y for x, y in zip(t["peer"], t[key], strict=True)))
 
     return {"shared_pct": share, "shared_tokens": args.prompt_tokens * share // 100,
             "radixkv_hit_tokens": min(t["hit"]), "peer_fetched_blocks": min(t["fetched"]),

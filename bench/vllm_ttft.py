@@ -4,6 +4,8 @@
     .venv/bin/python bench/vllm_ttft.py --json    # long on 2 cores: docs/vllm.md says how long
     .venv/bin/python bench/vllm_ttft.py --peer --shares 50,90 --repeat 2 --json
                                     # B on another member than A: peer fetch (bench/_vllm_peer.py)
+    .venv/bin/python bench/vllm_ttft.py --lmcache --shares 50,90 --json
+                                    # beside LMCache's own server (bench/_vllm_lmcache.py)
 
 The engines are vLLM (CPU, `vllm.LLM`) processes of radixkv.integrations.vllm.driver, run with
 .venv-vllm's python (`scripts/bootstrap_vllm` runs first if that venv is missing), on SmolLM2
@@ -149,9 +151,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   "layerwise": not args.whole_loads,
                                                   "load_cpus": args.load_cpus}}
 
-        def engine(name: str, connector: dict[str, Any] | None, *extra: str) -> Driver:
+        def engine(name: str, connector: dict[str, Any] | None, *extra: str,
+                   venv: str = python) -> Driver:
             t0 = time.perf_counter()
-            d = Driver(python, model, logs / f"{name}.log", connector, args.cpu,
+            d = Driver(venv, model, logs / f"{name}.log", connector, args.cpu,
                        ("--max-model-len", str(n + 512), *extra))
             log(f"bench: engine {name} up in {time.perf_counter() - t0:.0f} s")
             return d
@@ -186,6 +189,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "block_size": BLOCK, "repeat": args.repeat, "max_tokens": args.max_tokens,
                     "cpu": args.cpu, "load_average": os.getloadavg(), "seed": args.seed,
                     "rows": rows, "goals": peer_goals(rows), "goal_text": PEER_GOALS}
+        if args.lmcache:
+            from _vllm_lmcache import (
+                LMCACHE_GOALS,
+                lmcache_connector,
+                lmcache_goals,
+                lmcache_python,
+                lmcache_server,
+                measure_lmcache,
+                server_metrics,
+            )
+
+            lm = lmcache_python()
+            with radixkv_server(directory, *flags) as sock, \
+                    lmcache_server(lm, logs / "lmcache-server.log") as ports:
+                store_on_a(sock)
+                la = engine("LA", lmcache_connector(ports["port"]), "--no-prefix-cache", venv=lm)
+                try:
+                    for _, pa, _, _ in cases:
+                        la.generate(pa, max_tokens=args.max_tokens)
+                    time.sleep(2)  # its last stores reach the server
+                finally:
+                    la.close()
+                try:
+                    for name, connector, extra, venv in (
+                            ("B", radixkv(sock, "b.jsonl"), ("--no-prefix-cache",), python),
+                            ("LB", lmcache_connector(ports["port"]), ("--no-prefix-cache",), lm),
+                            ("N", None, (), python)):
+                        engines.append(engine(name, connector, *extra, venv=venv))
+                    rows = measure_lmcache(args, shares, cases, (engines[0], engines[1],
+                                           engines[2]), b_stats, logs / "lmcache-server.log",
+                                           text, ttft)
+                    lm_metrics = server_metrics(ports["prometheus_port"])
+                finally:
+                    for d in engines:
+                        d.close()
+            return {"mode": "lmcache", "model": models.REAL_MODEL, "prompt_tokens": n,
+                    "block_size": BLOCK, "lmcache_chunk_size": 256, "lmcache": "0.5.6",
+                    "repeat": args.repeat, "max_tokens": args.max_tokens, "cpu": args.cpu,
+                    "load_average": os.getloadavg(), "seed": args.seed, "rows": rows,
+                    "lmcache_server_metrics": lm_metrics, "goals": lmcache_goals(rows),
+                    "goal_text": LMCACHE_GOALS}
         with radixkv_server(directory, *flags) as sock:
             store_on_a(sock)
             try:
@@ -396,6 +440,10 @@ def main() -> None:
     p.add_argument("--peer", action="store_true", help="B's member is another than A's: two "
                    "members (etcd, TCP with a token, serve --peer-fetch), B's prefix comes by "
                    "peer fetch; no ExampleConnector (bench/_vllm_peer.py)")
+    p.add_argument("--lmcache", action="store_true", help="beside radixkv, the same two-instance "
+                   "run with LMCache's own server (`lmcache server`, LMCacheMPConnector; "
+                   ".venv-lmcache from scripts/bootstrap_lmcache), interleaved; no "
+                   "ExampleConnector (bench/_vllm_lmcache.py)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts' token ids")
     p.add_argument("--logs", default=None, help="keep the engines' logs in this folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -407,17 +455,18 @@ def main() -> None:
         emit("vllm_ttft", report, True)
         return
     rows = report["rows"]
-    if args.peer:
-        keys: tuple[str, ...] = ("ratio_vs_no_cache", "ratio_vs_vllm_prefix_cache",
-                                 "peer_fetch_ms", "ttft_peer_ms", "ttft_no_cache_ms",
-                                 "outputs_identical_to_vllm_prefix_cache")
-        emit("vllm_ttft", {k: {r["shared_pct"]: r[k] for r in rows} for k in keys}, False)
-        return
-    keys = ("ratio_vs_no_cache", "ratio_vs_vllm_prefix_cache", "ratio_vs_example_connector",
-            "connector_share", "connector_vs_example_connector", "ttft_radixkv_ms",
-            "ttft_no_cache_ms", "outputs_identical")
+    keys: tuple[str, ...] = (
+        "ratio_vs_no_cache", "ratio_vs_vllm_prefix_cache", "ratio_vs_example_connector",
+        "connector_share", "connector_vs_example_connector", "ttft_radixkv_ms",
+        "ttft_no_cache_ms", "outputs_identical")
+    if args.lmcache:
+        keys = ("ratio_radixkv_vs_lmcache", "radixkv_hit_tokens", "lmcache_hit_tokens",
+                "ttft_radixkv_ms", "ttft_lmcache_ms", "outputs_identical_to_vllm_prefix_cache",
+                "outputs_identical_lmcache")
+    elif args.peer:
+        keys = ("ratio_vs_no_cache", "ratio_vs_vllm_prefix_cache", "peer_fetch_ms",
+                "ttft_peer_ms", "ttft_no_cache_ms", "outputs_identical_to_vllm_prefix_cache")
     emit("vllm_ttft", {k: {r["shared_pct"]: r[k] for r in rows} for k in keys}, False)
-
 
 if __name__ == "__main__":
     main()
