@@ -69,12 +69,18 @@ class RadixKVServer:
         self.metrics_url: str | None = None
         self.registration: Any = None  # radixkv.rpc.membership.Registration, with --cluster
         self.peer_fetch: Any = None  # radixkv.cluster.peer_fetch.PeerFetcher, with --peer-fetch
+        self.kv_events: Any = None  # radixkv.server.vllm_events.VllmEventPublisher
 
     def attach_peer_fetch(self, fetcher: Any) -> None:
         """Ask `fetcher` (started here, stopped by stop()) before every Match."""
         self.peer_fetch = fetcher
         fetcher.start()
         self.servicer.peer_fetch = fetcher
+
+    def attach_kv_events(self, publisher: Any) -> None:
+        """Publish the event log on vLLM's wire (started here, stopped by stop())."""
+        self.kv_events = publisher
+        publisher.start()
 
     def _open_tier(self) -> NoTier | None:
         """The disk tier on --disk-dir (its index rebuilt from the file), or None."""
@@ -219,6 +225,8 @@ class RadixKVServer:
         if self._lock_file is not None and path:
             release_socket(path, self._lock_file)
         self.service.close_tier(write_down=True)  # a clean stop: the pool's cache goes down
+        if self.kv_events is not None:  # after the tier: its write-down's events go out too
+            self.kv_events.stop()
         self.pool.close()
         log.info("radixkv stopped")
 

@@ -135,6 +135,19 @@ def _add_cluster_flags(p: Any) -> None:
                    help="the registration's etcd lease: a crashed member drops out after this "
                    "(5); a clean stop leaves at once")
     add_etcd_flags(g)
+    g = p.add_argument_group("KV events on vLLM's wire (radixkv/server/vllm_events.py)")
+    g.add_argument("--kv-events-endpoint", metavar="ENDPOINT", default=None,
+                   help="publish BlockStored / BlockRemoved / AllBlocksCleared as vLLM does: a "
+                   "ZMQ PUB that binds for tcp://*:PORT, ipc:// and inproc://, and connects to "
+                   "the rest (a subscriber that binds)")
+    g.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT", default=None,
+                   help="a ZMQ ROUTER (bound) that resends buffered batches from a sequence on")
+    g.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="the topic frame of every message (default empty)")
+    g.add_argument("--kv-events-encoding", choices=("map", "array"), default="map",
+                   help="events as tagged maps (vLLM since mid-2026, the default) or "
+                   "positional arrays (earlier vLLM and the consumers built on it)")
+    g = p.add_argument_group("cluster")
     g.add_argument("--peer-fetch", action="store_true",
                    help="with --cluster: before a Match, pull the blocks of the prompt that "
                    "another member holds beyond what this one has (over its address, with the "
@@ -232,6 +245,14 @@ def _ready(server: Any, config: Any, args: argparse.Namespace) -> None:
 
     if args.peer_fetch:
         _attach_peer_fetch(server, config, args)
+    if args.kv_events_endpoint:
+        from radixkv.server.vllm_events import VllmEventPublisher, VllmEventsConfig
+
+        server.attach_kv_events(VllmEventPublisher(
+            server.service.events,
+            VllmEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                             args.kv_events_topic, args.kv_events_encoding),
+            "GPU" if config.backend == "cuda" else "CPU"))
 
     pool = config.layout
     where = ", ".join(server.addresses)

@@ -1,0 +1,214 @@
+"""KV events on vLLM's own wire, for the routers that read vLLM's events (llm-d's precise
+prefix-cache scorer, Dynamo's KV router, vllm-router's kv_aware policy):
+
+    radixkv serve --kv-events-endpoint tcp://*:5557 [--kv-events-replay-endpoint tcp://*:5558]
+                  [--kv-events-topic T] [--kv-events-encoding map|array]
+
+A ZMQ PUB sends multipart `(topic, sequence as 8 bytes big-endian, msgpack(EventBatch))`, the
+sequence from 0, exactly as vLLM's `vllm/distributed/kv_events.py` does; the PUB binds when the
+endpoint has `*`, `::`, `ipc://` or `inproc://` and connects otherwise (a subscriber that binds,
+as llm-d's does). The replay ROUTER (always bound) answers `[b"", start 8 B]` with every
+buffered batch from that sequence on, then `(b"", -1 as 8 B signed, b"")`.
+
+The batches are read from the service's event log (radixkv/service/events.py), so every
+BlockStored / BlockRemoved / cleared namespace of every token-keyed namespace goes out:
+
+    EventBatch [ts, events, data_parallel_rank]           (always positional, as vLLM's)
+    BlockStored{block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+                lora_name}                                 radixkv's 64-bit chain hashes
+    BlockRemoved{block_hashes, medium}
+    AllBlocksCleared{}                                     a Clear (of any namespace)
+
+`map` (vLLM since mid-2026) sends each event as a map tagged `type`; `array` sends it
+positionally, tag first, as earlier vLLM and the consumers built on it read it. `medium` is
+where the blocks are: `CPU` for a host pool, `GPU` for a cuda pool; blocks the disk tier below
+the pool drops are BlockRemoved with `STORAGE`. The hashes chain from the namespace's salt, so
+two namespaces (models, salts, LoRAs) never share one; `token_ids` are always sent, so a
+consumer may key blocks by their tokens instead. Key-keyed namespaces (SGLang's pages) carry no
+token ids and are not sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from radixkv.protocol.errors import InvalidArgument
+from radixkv.service.events import EventLog, KVEvent
+
+log = logging.getLogger("radixkv.events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ENCODINGS = ("map", "array")
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+def _event_types(array: bool) -> tuple[type, type, type]:
+    """BlockStored, BlockRemoved and AllBlocksCleared (tagged with vLLM's class names), as maps
+    or arrays."""
+
+    class Event(msgspec.Struct, omit_defaults=True, tag=True, array_like=array):
+        pass
+
+    class Stored(Event, tag="BlockStored"):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+
+    class Removed(Event, tag="BlockRemoved"):
+        block_hashes: list[int]
+        medium: str | None
+
+    class Cleared(Event, tag="AllBlocksCleared"):
+        pass
+
+    return Stored, Removed, Cleared
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEventsConfig:
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    encoding: str = "map"
+    buffer_steps: int = 10_000  # batches kept for replay (vLLM's default)
+    hwm: int = 100_000
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class VllmEventPublisher:
+    """Follows `events` from its current sequence on and publishes each read as one batch."""
+
+    POLL_S = 0.05  # the longest a new event waits for its batch
+
+    def __init__(self, events: EventLog, config: VllmEventsConfig, medium: str) -> None:
+        if config.encoding not in ENCODINGS:
+            raise InvalidArgument(f"--kv-events-encoding must be one of {', '.join(ENCODINGS)}, "
+                                  f"not {config.encoding!r}")
+        self.events, self.config, self.medium = events, config, medium
+        self._stored, self._removed, self._cleared = _event_types(config.encoding == "array")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._replay: zmq.Socket[Any] | None = None
+        try:
+            if binds(config.endpoint):
+                self._pub.bind(config.endpoint)
+            else:
+                self._pub.connect(config.endpoint)
+            if config.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise InvalidArgument(f"KV events endpoint: {e}") from None
+        self._topic = config.topic.encode()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._seq = 0
+        self._after = 0  # from the first event: what a warm start restored goes out too
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-events", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Publish what is left, then close the sockets (ipc endpoints' files go with them)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self.close()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def close(self) -> None:
+        """Close the sockets and remove the files of the ipc endpoints bound here (ZMQ leaves
+        them behind)."""
+        self._close_sockets()
+        bound = [self.config.replay_endpoint or ""]
+        if binds(self.config.endpoint):
+            bound.append(self.config.endpoint)
+        for endpoint in bound:
+            path = endpoint.removeprefix("ipc://")
+            if path != endpoint and os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            batch, lagged = self.events.read(self._after, timeout=0 if stopping else self.POLL_S)
+            if lagged:  # events dropped before this thread read them: consumers start over
+                log.warning("KV events: the event buffer overran; sending AllBlocksCleared")
+                self._after = self.events.last_sequence
+                self._publish([self._cleared()])
+                continue
+            if batch:
+                self._after = batch[-1].sequence
+                converted = [e for ev in batch for e in self._convert(ev)]
+                if converted:
+                    self._publish(converted)
+            elif stopping:
+                return
+
+    def _publish(self, events: list[Any]) -> None:
+        payload = self._encoder.encode(EventBatch(time.time(), events, 0))
+        seq = self._seq
+        self._seq += 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("KV events: a replay request of %d frames, not 3: ignored", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= first:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
+                                             payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def _convert(self, ev: KVEvent) -> list[Any]:
+        if ev.kind == "cleared":
+            return [self._cleared()]
+        if ev.key_size or ev.kind.startswith("window"):
+            return []  # page keys carry no token ids; window parts leave the positions
+        hashes = list(ev.block_hashes)
+        if ev.kind == "removed":  # no pool block: the disk tier below dropped it
+            return [self._removed(hashes, self.medium if ev.block_ids else "STORAGE")]
+        tokens = np.frombuffer(ev.tokens, "<u4", len(hashes) * self.events.block_size)
+        return [self._stored(hashes, ev.parent_block_hash, tokens.tolist(),
+                             self.events.block_size, None, self.medium, None)]
