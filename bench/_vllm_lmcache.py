@@ -25,7 +25,6 @@ import socket
 import statistics
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,25 +93,6 @@ def lmcache_connector(port: int) -> dict[str, Any]:
     return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                           "lmcache.mp.port": port}}
-
-
-def server_metrics(prometheus_port: int) -> dict[str, float]:
-    """The server's own counters and time sums from its Prometheus endpoint ({} if none)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{prometheus_port}/metrics",
-                                    timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        if name.startswith("lmcache") and ("_sum" in name or "_total" in name):
-            with contextlib.suppress(ValueError):
-                out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def server_retrieve_s(log: Path) -> list[float]:

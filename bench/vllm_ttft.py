@@ -197,7 +197,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 lmcache_python,
                 lmcache_server,
                 measure_lmcache,
-                server_metrics,
             )
 
             lm = lmcache_python()
@@ -220,7 +219,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rows = measure_lmcache(args, shares, cases, (engines[0], engines[1],
                                            engines[2]), b_stats, logs / "lmcache-server.log",
                                            text, ttft)
-                    lm_metrics = server_metrics(ports["prometheus_port"])
                 finally:
                     for d in engines:
                         d.close()
@@ -228,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "block_size": BLOCK, "lmcache_chunk_size": 256, "lmcache": "0.5.6",
                     "repeat": args.repeat, "max_tokens": args.max_tokens, "cpu": args.cpu,
                     "load_average": os.getloadavg(), "seed": args.seed, "rows": rows,
-                    "lmcache_server_metrics": lm_metrics, "goals": lmcache_goals(rows),
+                    "goals": lmcache_goals(rows),
                     "goal_text": LMCACHE_GOALS}
         with radixkv_server(directory, *flags) as sock:
             store_on_a(sock)

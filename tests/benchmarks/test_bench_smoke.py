@@ -267,3 +267,24 @@ def test_peer_fetch_bench_runs_and_leaves_nothing():
     assert leaked_pools(shm_before) == []
     assert [n for n in set(os.listdir(tempfile.gettempdir())) - tmp_before
             if n.startswith("rkv-pfb-")] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not (BENCH.parent / ".venv-lmcache" / "bin" / "python").exists(),
+                    reason="no .venv-lmcache (scripts/bootstrap_lmcache: the LMCache "
+                    "comparison's venv, outside the test command's set-up)")
+def test_vllm_bench_beside_lmcache_runs_and_leaves_nothing():
+    """bench/vllm_ttft.py --lmcache at its smallest: radixkv's and LMCache's rows, both outputs
+    equal to vLLM's prefix cache, and LMCache's server stopped with its shared memory gone."""
+    shm_before = set(os.listdir("/dev/shm"))
+    out = subprocess.run([sys.executable, str(BENCH / "vllm_ttft.py"), "--lmcache", "--shares",
+                          "90", "--repeat", "1", "--prompt-tokens", "600", "--max-tokens", "4",
+                          "--json"], capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads(out.stdout)["rows"]
+    assert row["radixkv_hit_tokens"] == 512 and row["lmcache_hit_tokens"] == 512  # 540 shared
+    assert row["outputs_identical_to_vllm_prefix_cache"] and row["outputs_identical_lmcache"]
+    assert leaked_pools(shm_before) == []
+    assert [n for n in set(os.listdir("/dev/shm")) - shm_before if "lmcache" in n] == []
+    assert subprocess.run(["pgrep", "-f", "lmcache server"], capture_output=True).stdout == b""

@@ -147,7 +147,7 @@ def _add_cluster_flags(p: Any) -> None:
     g.add_argument("--kv-events-encoding", choices=("map", "array"), default="map",
                    help="events as tagged maps (vLLM since mid-2026, the default) or "
                    "positional arrays (earlier vLLM and the consumers built on it)")
-    g = p.add_argument_group("cluster")
+    g = p.add_argument_group("peer fetch between members (radixkv/cluster/peer_fetch.py)")
     g.add_argument("--peer-fetch", action="store_true",
                    help="with --cluster: before a Match, pull the blocks of the prompt that "
                    "another member holds beyond what this one has (over its address, with the "
