@@ -485,6 +485,34 @@ def vllm_ttft_peer(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def vllm_ttft_lmcache(r: dict[str, Any]) -> list[str]:
+    out = [f"`bench/vllm_ttft.py --lmcache`: {num(r['prompt_tokens'])}-token prompts, the same "
+           "two-instance run through radixkv (engine A stores, engine B loads, 128-token "
+           f"blocks) and through LMCache {r['lmcache']}'s own server (`lmcache server`, "
+           f"LMCacheMPConnector, {r['lmcache_chunk_size']}-token chunks), interleaved; N is no "
+           f"cache and then vLLM's own prefix cache; `{r['model']}` in bf16, vLLM block size "
+           f"{r['block_size']}, engines pinned to CPU {r['cpu']}, the two servers not pinned; "
+           f"medians of {r['repeat']} prompts per share. Own time: radixkv's Match and load "
+           "copy (the connector's stats), the LMCache server's retrieval (its log).", ""]
+    out += table(["shared", "hit tokens radixkv / LMCache", "TTFT radixkv", "TTFT LMCache",
+                  "radixkv / LMCache", "no cache", "vLLM prefix cache", "radixkv Match + copy",
+                  "LMCache retrieve", "outputs = vLLM cache (radixkv / LMCache)"],
+                 ([f"{row['shared_pct']} %",
+                   f"{num(row['radixkv_hit_tokens'])} / {num(row['lmcache_hit_tokens'])}",
+                   f"{row['ttft_radixkv_ms']:,.0f} ms", f"{row['ttft_lmcache_ms']:,.0f} ms",
+                   f"{row['ratio_radixkv_vs_lmcache']:.2f}",
+                   f"{row['ttft_no_cache_ms']:,.0f} ms",
+                   f"{row['ttft_vllm_prefix_cache_ms']:,.0f} ms",
+                   f"{row['radixkv_match_ms'] + row['radixkv_load_copy_ms']:.1f} ms",
+                   f"{row['lmcache_server_retrieve_ms']:.1f} ms",
+                   f"{'yes' if row['outputs_identical_to_vllm_prefix_cache'] else 'no'} / "
+                   f"{'yes' if row['outputs_identical_lmcache'] else 'no'}"]
+                  for row in r["rows"]))
+    goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
+    out += ["", f"Goals ({r['goal_text']}): {goals}."]
+    return out
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -515,6 +543,7 @@ SECTIONS = (
             peer_replay),
     Section("vllm_ttft_peer", "vLLM across two members: the prefix by peer fetch",
             vllm_ttft_peer),
+    Section("vllm_ttft_lmcache", "vLLM beside LMCache's own server", vllm_ttft_lmcache),
 )
 
 
