@@ -52,7 +52,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 ENCODINGS = ("map", "array")
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
@@ -62,7 +62,7 @@ def _event_types(array: bool) -> tuple[type, type, type]:
     """BlockStored, BlockRemoved and AllBlocksCleared (tagged with vLLM's class names), as maps
     or arrays."""
 
-    class Event(msgspec.Struct, omit_defaults=True, tag=True, array_like=array):
+    class Event(msgspec.Struct, omit_defaults=True, tag=True, array_like=array, gc=False):
         pass
 
     class Stored(Event, tag="BlockStored"):
@@ -209,6 +209,6 @@ class VllmEventPublisher:
         hashes = list(ev.block_hashes)
         if ev.kind == "removed":  # no pool block: the disk tier below dropped it
             return [self._removed(hashes, self.medium if ev.block_ids else "STORAGE")]
-        tokens = np.frombuffer(ev.tokens, "<u4", len(hashes) * self.events.block_size)
-        return [self._stored(hashes, ev.parent_block_hash, tokens.tolist(),
-                             self.events.block_size, None, self.medium, None)]
+        tokens = np.frombuffer(ev.tokens, "<u4", len(hashes) * self.events.block_size).tolist()
+        return [self._stored(hashes, ev.parent_block_hash, tokens, self.events.block_size, None,
+                             self.medium, None)]

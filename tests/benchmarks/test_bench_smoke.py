@@ -288,3 +288,13 @@ def test_vllm_bench_beside_lmcache_runs_and_leaves_nothing():
     assert leaked_pools(shm_before) == []
     assert [n for n in set(os.listdir("/dev/shm")) - shm_before if "lmcache" in n] == []
     assert subprocess.run(["pgrep", "-f", "lmcache server"], capture_output=True).stdout == b""
+
+
+def test_kv_events_bench_reports_latency_and_bursts():
+    """bench/kv_events.py at its smallest: both figures, and no pool segment left."""
+    shm_before = set(os.listdir("/dev/shm"))
+    report = json.loads(run(str(BENCH / "kv_events.py"), "--prompts", "20", "--burst", "2000",
+                            "--json"))
+    assert report["publish_p50_ms"] > 0 and report["events_per_s"] > 0
+    assert report["burst_events"] == 2000
+    assert leaked_pools(shm_before) == []
