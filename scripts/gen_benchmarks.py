@@ -513,6 +513,19 @@ def vllm_ttft_lmcache(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def kv_events(r: dict[str, Any]) -> list[str]:
+    out = ["KV events on vLLM's wire (`serve --kv-events-endpoint`, ipc): latency from an "
+           f"Insert's answer to its BlockStored at a subscriber, {num(r['prompts'])} prompts of "
+           f"{r['blocks_per_prompt']} blocks one at a time; the burst: the publisher alone with "
+           f"{num(r['burst_events'])} one-block BlockStored events waiting in its log, counted "
+           "at a subscriber that does not decode the events themselves.", ""]
+    out += table(["publish p50", "publish p99", "burst events / s"],
+                 [[f"{r['publish_p50_ms']:.2f} ms", f"{r['publish_p99_ms']:.2f} ms",
+                   num(r["events_per_s"])]])
+    goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
+    return [*out, "", f"Goals: {goals}."]
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -544,6 +557,7 @@ SECTIONS = (
     Section("vllm_ttft_peer", "vLLM across two members: the prefix by peer fetch",
             vllm_ttft_peer),
     Section("vllm_ttft_lmcache", "vLLM beside LMCache's own server", vllm_ttft_lmcache),
+    Section("kv_events", "KV events on vLLM's wire: latency and bursts", kv_events),
 )
 
 
