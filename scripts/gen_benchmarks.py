@@ -521,7 +521,7 @@ def kv_events(r: dict[str, Any]) -> list[str]:
            "at a subscriber that does not decode the events themselves.", ""]
     out += table(["publish p50", "publish p99", "burst events / s"],
                  [[f"{r['publish_p50_ms']:.2f} ms", f"{r['publish_p99_ms']:.2f} ms",
-                   num(r["events_per_s"])]])
+                   num(round(r["events_per_s"]))]])
     goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
     return [*out, "", f"Goals: {goals}."]
 
