@@ -25,7 +25,7 @@ def log(message: str) -> None:
 
 
 def engine_python(engine: str) -> str:
-    """The python of an engine's own venv (.venv-vllm, .venv-sglang), created by its
+    """The python of an engine's own venv (.venv-vllm, .venv-sglang, .venv-lmcache), created by its
     scripts/bootstrap_<engine> first if it is missing."""
     python = REPO / f".venv-{engine}" / "bin" / "python"
     if not python.exists():

@@ -8,7 +8,8 @@ radixkv, interleaved with radixkv's, on the same prompts and the same CPU.
     N         no connector               P+sC (no cache), then P+sB from vLLM's own prefix cache
 
 LMCache 0.5.6 runs here in its multiprocess mode only (its in-process connector refuses CPU):
-`lmcache server` is a process of its own (`.venv-lmcache`, scripts/bootstrap_lmcache) that
+`lmcache server` is a process of its own (`.venv-lmcache`, scripts/bootstrap_lmcache, run
+by _common.engine_python when missing) that
 vLLM's LMCacheMPConnector talks to over ZMQ, the KV in its shared-memory L1. Its chunk is 256
 tokens (`--chunk-size`), a multiple of vLLM's CPU block of 128; radixkv serves 128-token blocks.
 B, LB and N take turns to go first in each repeat; outputs of B and LB are compared with N's
@@ -31,22 +32,10 @@ from typing import Any
 
 from _common import log
 
+from radixkv.cluster.local import free_port
+
 CHUNK = 256  # LMCache's chunk: whole chunks are stored and loaded
 QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
-
-
-def lmcache_python() -> str:
-    """.venv-lmcache's python, made by scripts/bootstrap_lmcache when it is missing."""
-    repo = Path(__file__).resolve().parents[1]
-    python = repo / ".venv-lmcache" / "bin" / "python"
-    subprocess.run(["bash", str(repo / "scripts" / "bootstrap_lmcache")], check=True)
-    return str(python)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -54,7 +43,7 @@ def lmcache_server(python: str, log: Path) -> Iterator[dict[str, Any]]:
     """`lmcache server` on loopback (request port, HTTP and Prometheus ports of its own, an L1 of
     2 GB in shared memory), not pinned (as radixkv's server); SIGTERM at exit, and its shared
     memory segment removed if it left one. Yields its ports."""
-    ports = {"port": _free_port(), "http_port": _free_port(), "prometheus_port": _free_port()}
+    ports = {"port": free_port(), "http_port": free_port(), "prometheus_port": free_port()}
     shm = f"rkv-bench-lmcache-{os.getpid()}"
     cmd = [str(Path(python).with_name("lmcache")), "server",
            "--host", "127.0.0.1", "--port", str(ports["port"]), "--http-host", "127.0.0.1",

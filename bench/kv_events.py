@@ -48,7 +48,7 @@ def prompt(head: int, blocks: int) -> list[int]:
 
 class Subscriber:
     """A SUB socket on the member's events, read on a thread: each BlockStored's first token and
-    when it arrived; counts of events and blocks."""
+    when it arrived; the events counted (`count_only`: without decoding them)."""
 
     def __init__(self, endpoint: str, count_only: bool = False) -> None:
         self.decoder = msgspec.msgpack.Decoder(
@@ -59,7 +59,7 @@ class Subscriber:
         self.sock.connect(endpoint)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.seen: dict[int, float] = {}  # first token of a stored run -> arrival
-        self.events = self.blocks = 0
+        self.events = 0
         self.last = 0.0
         self.cond = threading.Condition()
         self.running = True
@@ -78,7 +78,6 @@ class Subscriber:
                 self.events += len(batch[1])
                 for ev in batch[1]:
                     if isinstance(ev, dict) and ev["type"] == "BlockStored":
-                        self.blocks += len(ev["block_hashes"])
                         self.seen[ev["token_ids"][0]] = now
                 self.last = now
                 self.cond.notify_all()

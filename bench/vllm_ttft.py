@@ -191,17 +191,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "rows": rows, "goals": peer_goals(rows), "goal_text": PEER_GOALS}
         if args.lmcache:
             from _vllm_lmcache import (
+                CHUNK,
                 LMCACHE_GOALS,
                 lmcache_connector,
                 lmcache_goals,
-                lmcache_python,
                 lmcache_server,
                 measure_lmcache,
             )
 
-            lm = lmcache_python()
+            lm, server_log = engine_python("lmcache"), logs / "lmcache-server.log"
             with radixkv_server(directory, *flags) as sock, \
-                    lmcache_server(lm, logs / "lmcache-server.log") as ports:
+                    lmcache_server(lm, server_log) as ports:
                 store_on_a(sock)
                 la = engine("LA", lmcache_connector(ports["port"]), "--no-prefix-cache", venv=lm)
                 try:
@@ -211,19 +211,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 finally:
                     la.close()
                 try:
-                    for name, connector, extra, venv in (
-                            ("B", radixkv(sock, "b.jsonl"), ("--no-prefix-cache",), python),
-                            ("LB", lmcache_connector(ports["port"]), ("--no-prefix-cache",), lm),
-                            ("N", None, (), python)):
-                        engines.append(engine(name, connector, *extra, venv=venv))
-                    rows = measure_lmcache(args, shares, cases, (engines[0], engines[1],
-                                           engines[2]), b_stats, logs / "lmcache-server.log",
+                    b = engine("B", radixkv(sock, "b.jsonl"), "--no-prefix-cache")
+                    engines.append(b)
+                    lb = engine("LB", lmcache_connector(ports["port"]), "--no-prefix-cache",
+                                venv=lm)
+                    engines.append(lb)
+                    nc = engine("N", None)
+                    engines.append(nc)
+                    rows = measure_lmcache(args, shares, cases, (b, lb, nc), b_stats, server_log,
                                            text, ttft)
                 finally:
                     for d in engines:
                         d.close()
             return {"mode": "lmcache", "model": models.REAL_MODEL, "prompt_tokens": n,
-                    "block_size": BLOCK, "lmcache_chunk_size": 256, "lmcache": "0.5.6",
+                    "block_size": BLOCK, "lmcache_chunk_size": CHUNK, "lmcache": "0.5.6",
                     "repeat": args.repeat, "max_tokens": args.max_tokens, "cpu": args.cpu,
                     "load_average": os.getloadavg(), "seed": args.seed, "rows": rows,
                     "goals": lmcache_goals(rows),
@@ -465,6 +466,7 @@ def main() -> None:
         keys = ("ratio_vs_no_cache", "ratio_vs_vllm_prefix_cache", "peer_fetch_ms",
                 "ttft_peer_ms", "ttft_no_cache_ms", "outputs_identical_to_vllm_prefix_cache")
     emit("vllm_ttft", {k: {r["shared_pct"]: r[k] for r in rows} for k in keys}, False)
+
 
 if __name__ == "__main__":
     main()

@@ -53,6 +53,11 @@ def pct(x: float, digits: int = 2) -> str:
     return f"{100 * x:.{digits}f} %"
 
 
+def goals_met(goals: dict[str, bool]) -> str:
+    """A result's goals in a line: each name, met or **not met**."""
+    return ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in goals.items())
+
+
 def num(x: float) -> str:
     return f"{x:,}"
 
@@ -314,7 +319,7 @@ def vllm_ttft(r: dict[str, Any]) -> list[str]:
                        "outputs_identical", "outputs_identical_to_vllm_prefix_cache",
                        "vllm_prefix_cache_outputs_identical"))]
                   for row in r["rows"]))
-    goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
+    goals = goals_met(r["goals"])
     out += ["", f"Goals ({r['goal_text']}): {goals}. Load average at the end "
             f"{', '.join(f'{x:.2f}' for x in r['load_average'])}; the bench ran "
             f"{r['wall_s'] / 60:.0f} min."]
@@ -480,7 +485,7 @@ def vllm_ttft_peer(r: dict[str, Any]) -> list[str]:
                    f"{row['ratio_vs_no_cache']:.2f}", f"{row['ratio_vs_vllm_prefix_cache']:.2f}",
                    "yes" if row["outputs_identical_to_vllm_prefix_cache"] else "no"]
                   for row in r["rows"]))
-    goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
+    goals = goals_met(r["goals"])
     out += ["", f"Goals ({r['goal_text']}): {goals}."]
     return out
 
@@ -508,7 +513,7 @@ def vllm_ttft_lmcache(r: dict[str, Any]) -> list[str]:
                    f"{'yes' if row['outputs_identical_to_vllm_prefix_cache'] else 'no'} / "
                    f"{'yes' if row['outputs_identical_lmcache'] else 'no'}"]
                   for row in r["rows"]))
-    goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
+    goals = goals_met(r["goals"])
     out += ["", f"Goals ({r['goal_text']}): {goals}."]
     return out
 
@@ -522,7 +527,7 @@ def kv_events(r: dict[str, Any]) -> list[str]:
     out += table(["publish p50", "publish p99", "burst events / s"],
                  [[f"{r['publish_p50_ms']:.2f} ms", f"{r['publish_p99_ms']:.2f} ms",
                    num(round(r["events_per_s"]))]])
-    goals = ", ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in r["goals"].items())
+    goals = goals_met(r["goals"])
     return [*out, "", f"Goals: {goals}."]
 
 

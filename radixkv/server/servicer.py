@@ -146,15 +146,12 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         queries = _batch("Match: queries", request.queries)
         store = [q.store_tokens for q in queries]
         keyed = any(q.key_size or q.keys for q in queries)
+        asked = [MatchQuery(q.namespace, _data(q), q.key_size) for q in queries]
         fetcher = self.peer_fetch
-        asked = [MatchQuery(q.namespace, _data(q), q.key_size) for q in queries] \
-            if fetcher is not None else []
         if fetcher is not None and not request.peer_fetch_async:  # wait for peers first
             fetcher.fill(asked, context.time_remaining() if context is not None else None)
         outcomes = self.service.match_many(
-            _owner(request.client_id),
-            [(q.namespace, _data(q)) for q in queries] if keyed else
-            [(q.namespace, q.tokens) for q in queries],
+            _owner(request.client_id), [(a.namespace, a.data) for a in asked],
             request.lease_ttl_s or None, store if any(store) else None,
             [q.key_size for q in queries] if keyed else None,
             client=_client(context, request.client_id))

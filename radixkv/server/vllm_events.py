@@ -100,7 +100,7 @@ def binds(endpoint: str) -> bool:
 
 
 class VllmEventPublisher:
-    """Follows `events` from its current sequence on and publishes each read as one batch."""
+    """Follows `events` from its first event on and publishes each read as one batch."""
 
     POLL_S = 0.05  # the longest a new event waits for its batch
 
@@ -137,21 +137,11 @@ class VllmEventPublisher:
         self._thread.start()
 
     def stop(self) -> None:
-        """Publish what is left, then close the sockets (ipc endpoints' files go with them)."""
+        """Publish what is left, close the sockets and remove the files of the ipc endpoints
+        bound here (ZMQ leaves them behind)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
-        self.close()
-
-    def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
-        self._ctx.term()
-
-    def close(self) -> None:
-        """Close the sockets and remove the files of the ipc endpoints bound here (ZMQ leaves
-        them behind)."""
         self._close_sockets()
         bound = [self.config.replay_endpoint or ""]
         if binds(self.config.endpoint):
@@ -160,6 +150,12 @@ class VllmEventPublisher:
             path = endpoint.removeprefix("ipc://")
             if path != endpoint and os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
                 os.unlink(path)
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
 
     def _run(self) -> None:
         while True:
