@@ -2,8 +2,9 @@
 and how many events a burst sends per second.
 
 Latency: a server publishes on an ipc endpoint; this process subscribes (ZMQ SUB), decodes each
-batch (msgpack) and stores one prompt at a time: from its Insert's answer to the batch with its
-BlockStored at the subscriber (p50 / p99 over --prompts). Burst: the publisher alone (in this
+batch (msgpack) and stores one prompt at a time: from its Insert's call to the batch with its
+BlockStored at the subscriber, the Insert's own round trip included (p50 / p99 over --prompts;
+the batch may reach the subscriber before the Insert's answer reaches the caller). Burst: the publisher alone (in this
 process) on an event log holding --burst BlockStored events (one block each) when it starts:
 events per second at the subscriber, from its start to the last event (the service's own
 insert rate, measured in docs/benchmarks.md's rpc section, is below this).
@@ -134,10 +135,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(args.prompts):
                     tokens = prompt(i, args.blocks)
                     with kv.lease(NS, tokens) as lease:
+                        called = time.perf_counter()
                         lease.insert(tokens, lease.new_block_ids, release=True)
-                    answered = time.perf_counter()
                     sub.wait(lambda t=tokens[0]: t in sub.seen)
-                    lat.append(sub.seen[tokens[0]] - answered)
+                    lat.append(sub.seen[tokens[0]] - called)
                 log(f"latency: p50 {statistics.median(lat) * 1e3:.2f} ms over {len(lat)}")
             finally:
                 sub.close()
