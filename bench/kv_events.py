@@ -4,8 +4,8 @@ and how many events a burst sends per second.
 Latency: a server publishes on an ipc endpoint; this process subscribes (ZMQ SUB), decodes each
 batch (msgpack) and stores one prompt at a time: from its Insert's call to the batch with its
 BlockStored at the subscriber, the Insert's own round trip included (p50 / p99 over --prompts;
-the batch may reach the subscriber before the Insert's answer reaches the caller). Burst: the publisher alone (in this
-process) on an event log holding --burst BlockStored events (one block each) when it starts:
+the batch may reach the subscriber before the Insert's answer reaches the caller). Burst: the
+publisher alone (in this process) on an event log holding --burst BlockStored events (one block each) when it starts:
 events per second at the subscriber, from its start to the last event (the service's own
 insert rate, measured in docs/benchmarks.md's rpc section, is below this).
 

@@ -520,7 +520,8 @@ def vllm_ttft_lmcache(r: dict[str, Any]) -> list[str]:
 
 def kv_events(r: dict[str, Any]) -> list[str]:
     out = ["KV events on vLLM's wire (`serve --kv-events-endpoint`, ipc): latency from an "
-           f"Insert's call (its round trip included) to its BlockStored at a subscriber, {num(r['prompts'])} prompts of "
+           "Insert's call (its round trip included) to its BlockStored at a subscriber, "
+           f"{num(r['prompts'])} prompts of "
            f"{r['blocks_per_prompt']} blocks one at a time; the burst: the publisher alone with "
            f"{num(r['burst_events'])} one-block BlockStored events waiting in its log, counted "
            "at a subscriber that does not decode the events themselves.", ""]
