@@ -5,9 +5,9 @@ Latency: a server publishes on an ipc endpoint; this process subscribes (ZMQ SUB
 batch (msgpack) and stores one prompt at a time: from its Insert's call to the batch with its
 BlockStored at the subscriber, the Insert's own round trip included (p50 / p99 over --prompts;
 the batch may reach the subscriber before the Insert's answer reaches the caller). Burst: the
-publisher alone (in this process) on an event log holding --burst BlockStored events (one block each) when it starts:
-events per second at the subscriber, from its start to the last event (the service's own
-insert rate, measured in docs/benchmarks.md's rpc section, is below this).
+publisher alone (in this process) on an event log holding --burst BlockStored events (one block
+each) when it starts: events per second at the subscriber, from its start to the last event (the
+service's own insert rate, measured in docs/benchmarks.md's rpc section, is below this).
 
     .venv/bin/python bench/kv_events.py --json
     .venv/bin/python bench/kv_events.py --prompts 50 --burst 500 --json      # smoke

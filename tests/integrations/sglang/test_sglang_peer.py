@@ -15,8 +15,9 @@ from radixkv.client import Client
 from radixkv.cluster.local import free_port, local_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
-              pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed "
-                                 "(apt-get install etcd-server; scripts/bootstrap --tests does it)")]
+              pytest.mark.skipif(shutil.which("etcd") is None,
+                                 reason="etcd is not installed (apt-get install etcd-server; "
+                                 "scripts/bootstrap --tests does it)")]
 
 
 def test_a_worker_on_another_member_prefetches_the_pages_through_peer_fetch(
