@@ -213,7 +213,7 @@ LAYERS = (  # bottom up
     ("radixkv.server",),
     ("radixkv.cluster",),
     ("radixkv.integrations", "radixkv.engines"),
-    ("radixkv.replay",),
+    ("radixkv.replay", "radixkv.gateway"),
     ("radixkv.cli", "radixkv.__main__"),
 )
 

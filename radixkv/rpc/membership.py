@@ -53,13 +53,14 @@ class MemberInfo:
     started: float  # unix time
     ttl_s: int = DEFAULT_TTL_S  # its registration's lease: how long a crash goes unnoticed
     signature: str = ""  # hex HMAC-SHA256 of the other fields under the cluster token
+    engine_url: str = ""  # the engine server beside it (`--engine-url`), for `radixkv gateway`
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> MemberInfo:
-        optional = ("ttl_s", "signature")
+        optional = ("ttl_s", "signature", "engine_url")
         try:
             d = json.loads(data)
             info = cls(**{k: d[k] for k in cls.__dataclass_fields__
@@ -73,6 +74,8 @@ class MemberInfo:
     def digest(self, token: str) -> str:
         fields = asdict(self)
         fields.pop("signature")
+        if not fields["engine_url"]:  # records from before the field sign as they did
+            fields.pop("engine_url")
         body = json.dumps(fields, sort_keys=True).encode()
         return hmac.new(token.encode(), SIGNING_CONTEXT + body, hashlib.sha256).hexdigest()
 

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import threading
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -183,6 +184,7 @@ class RadixKVServer:
                          self.pool.num_blocks, layout.bytes_per_block,
                          f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
                          f"{layout.head_dim}, {layout.dtype}", cfg.cluster_ttl_s)
+        info = replace(info, engine_url=cfg.engine_url)
         registration = Registration(EtcdTarget.parse(cfg.cluster or ""), info, cfg.cluster_ttl_s,
                                     token=cfg.auth_token, security=cfg.etcd_security,
                                     bound=frozenset(self.addresses))

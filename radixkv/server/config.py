@@ -41,6 +41,7 @@ class ServerConfig:
     node_id: str | None = None  # this member's id in the cluster (required with cluster)
     advertise: str | None = None  # the address members publish (default: the first bound)
     cluster_ttl_s: int = 5  # the etcd lease of the registration: a crashed member expires
+    engine_url: str = ""  # the engine server beside this member, advertised for the gateway
     etcd_security: EtcdSecurity = NO_SECURITY  # TLS and auth toward etcd
     # the disk tier below the pool (radixkv/disk/): its directory, size in blocks (None: as
     # many as disk_capacity_bytes hold), and the blocks one Match may promote

@@ -4,4 +4,4 @@
 a new command is a new module and its name here; radixkv/cli/main.py never changes for one."""
 
 COMMANDS = ("calc", "serve", "demo", "chat", "inspect", "stats", "events", "clear", "replay",
-            "router", "route")
+            "router", "route", "gateway")

@@ -131,6 +131,10 @@ def _add_cluster_flags(p: Any) -> None:
     g.add_argument("--advertise", metavar="ADDR",
                    help="the address members publish for engines and routers (default: the "
                    "first one this server listens on, e.g. unix:///path)")
+    g.add_argument("--engine-url", metavar="URL", default="",
+                   help="the OpenAI server of the engine that uses this member (e.g. "
+                   "http://10.0.0.5:8000), advertised in etcd so that `radixkv gateway` "
+                   "without --engine flags sends it the prompts this member holds")
     g.add_argument("--cluster-ttl", type=positive_int, default=5, metavar="SECONDS",
                    help="the registration's etcd lease: a crashed member drops out after this "
                    "(5); a clean stop leaves at once")
@@ -205,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
         cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
-        cluster_ttl_s=args.cluster_ttl, etcd_security=etcd_security_from_args(args),
-        **disk_settings(args))
+        cluster_ttl_s=args.cluster_ttl, engine_url=args.engine_url,
+        etcd_security=etcd_security_from_args(args), **disk_settings(args))
     _check_cluster_flags(args)
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
     config = replace(config, service=replace(
@@ -227,6 +231,10 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
         raise SystemExit("radixkv serve: --cluster needs --node-id")
     if args.peer_fetch and not args.cluster:
         raise SystemExit("radixkv serve: --peer-fetch needs --cluster (the peers are its members)")
+    if args.engine_url and not args.cluster:
+        raise SystemExit("radixkv serve: --engine-url needs --cluster (it is advertised there)")
+    if args.engine_url and not args.engine_url.startswith(("http://", "https://")):
+        raise SystemExit(f"radixkv serve: --engine-url {args.engine_url!r}: an http(s) URL")
 
 
 def _attach_peer_fetch(server: Any, config: Any, args: argparse.Namespace) -> None:
