@@ -532,6 +532,21 @@ def kv_events(r: dict[str, Any]) -> list[str]:
     return [*out, "", f"Goals: {goals}."]
 
 
+def gateway_decision(r: dict[str, Any]) -> list[str]:
+    out = [f"`radixkv gateway`'s work per request before it passes the request on, over "
+           f"{r['members']} real members (etcd, each holding a different depth of one "
+           f"{num(r['prompt_tokens'])}-token prompt, followed by a Router as the gateway's is): "
+           "ranking one engine per member by the cluster index and the load "
+           "(`radixkv/gateway/choice.py`), and tokenizing a chat of about as many tokens with "
+           "SmolLM2's tokenizer and chat template (`radixkv/gateway/prompts.py`).", ""]
+    out += table(["members", "prompt tokens", "decision p50", "decision p99", "tokenize p50",
+                  "tokenize p99"],
+                 [[r["members"], num(r["prompt_tokens"]), f"{r['decision_p50_us']:.0f} us",
+                   f"{r['decision_p99_us']:.0f} us", f"{r['tokenize_p50_us'] / 1000:.1f} ms",
+                   f"{r['tokenize_p99_us'] / 1000:.1f} ms"]])
+    return [*out, "", f"Goals: {goals_met(r['goals'])}."]
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -564,6 +579,8 @@ SECTIONS = (
             vllm_ttft_peer),
     Section("vllm_ttft_lmcache", "vLLM beside LMCache's own server", vllm_ttft_lmcache),
     Section("kv_events", "KV events on vLLM's wire: latency and bursts", kv_events),
+    Section("gateway_decision", "The gateway's decision: 4k tokens over 16 members",
+            gateway_decision),
 )
 
 

@@ -1,7 +1,7 @@
 """The connector in vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the
 vLLM venv), with a real radixkv server and the real model: a chat's second turn reuses the first
 turn's prompt and answer; a store whose lease expires while the engine runs a long prefill
-inserts nothing wrong.
+inserts nothing wrong; `radixkv gateway` in front of it passes chats through unchanged.
 
 One API server (its own process group, on loopback and a free port) serves both tests, started
 and stopped here; vLLM's own prefix cache is off (every hit is radixkv's) and prefills run in
@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from _gateway import call, gateway, wait_ready
 
 from radixkv.client import Client
 from radixkv.server.launch import ServerProcess, start_server
@@ -259,3 +260,33 @@ def test_lease_expiring_during_a_long_prefill_inserts_no_wrong_kv(setup: Setup) 
     for name, tokens in (("first", first), ("second", second)):
         stored = setup.block_bytes(tokens)
         assert stored == reference[name][:len(stored)]
+
+
+def test_the_gateway_passes_chats_to_the_server_unchanged(setup: Setup) -> None:
+    """`radixkv gateway` in front of the API server: a chat answered through it equals the
+    server's own answer, whole and streamed (the streamed chunks joined), with the engine named
+    in x-radixkv-engine; /v1/models carries the server's context; a prompt past it is refused
+    by the gateway with vLLM's 400."""
+    api = setup.api
+    assert api is not None
+    messages = [{"role": "system", "content": "You keep notes for a small shop. " + NOTES},
+                {"role": "user", "content": "When do deliveries come?"}]
+    body = {"model": api.model, "messages": messages, "max_tokens": 12, "temperature": 0}
+    direct = api.post("/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    with gateway(api.model, "--engine", f"{api.url}=n0") as g:
+        wait_ready(g.url, 1)
+        status, headers, answer = call(g.url + "/v1/chat/completions", body)
+        assert status == 200 and headers["x-radixkv-engine"] == "n0"
+        assert answer["choices"][0]["message"]["content"] == direct
+        status, headers, events = call(g.url + "/v1/chat/completions", {**body, "stream": True})
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        chunks = [json.loads(line[6:]) for line in events.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"]) == direct
+        assert events.rstrip().endswith("data: [DONE]")
+        status, _, models = call(g.url + "/v1/models")
+        assert status == 200 and models["data"][0]["max_model_len"] == 2048
+        long = {**body, "messages": [{"role": "user", "content": "ok " * 2100}]}
+        status, _, refused = call(g.url + "/v1/chat/completions", long)
+        assert status == 400 and "maximum context length is 2048" in refused["error"]["message"]
