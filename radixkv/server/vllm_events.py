@@ -21,8 +21,12 @@ BlockStored / BlockRemoved / cleared namespace of every token-keyed namespace go
 
 `map` (vLLM since mid-2026) sends each event as a map tagged `type`; `array` sends it
 positionally, tag first, as earlier vLLM and the consumers built on it read it. `medium` is
-where the blocks are: `CPU` for a host pool, `GPU` for a cuda pool; blocks the disk tier below
-the pool drops are BlockRemoved with `STORAGE`. The hashes chain from the namespace's salt, so
+where the blocks are: `CPU` for a host pool, `GPU` for a cuda pool, `STORAGE` for the disk tier
+below the pool. A block demoted to disk is a BlockRemoved from the pool's medium and a
+BlockStored in `STORAGE` (its tokens and parent kept here from its first BlockStored, with a
+disk tier only); one promoted back is a BlockRemoved from `STORAGE` before its BlockStored in
+the pool's medium; one the disk tier drops is a BlockRemoved from `STORAGE`. So a consumer holds
+each block in one medium, as the member does. The hashes chain from the namespace's salt, so
 two namespaces (models, salts, LoRAs) never share one; `token_ids` are always sent, so a
 consumer may key blocks by their tokens instead. Key-keyed namespaces (SGLang's pages) carry no
 token ids and are not sent.
@@ -104,7 +108,10 @@ class VllmEventPublisher:
 
     POLL_S = 0.05  # the longest a new event waits for its batch
 
-    def __init__(self, events: EventLog, config: VllmEventsConfig, medium: str) -> None:
+    def __init__(self, events: EventLog, config: VllmEventsConfig, medium: str,
+                 disk: bool = False) -> None:
+        """`medium`: the pool's; `disk`: a disk tier is below it (its blocks are sent as
+        STORAGE, which needs each pooled block's tokens and parent kept in `_kept`)."""
         if config.encoding not in ENCODINGS:
             raise InvalidArgument(f"--kv-events-encoding must be one of {', '.join(ENCODINGS)}, "
                                   f"not {config.encoding!r}")
@@ -130,6 +137,11 @@ class VllmEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self._after = 0  # from the first event: what a warm start restored goes out too
+        # with a disk tier: namespace -> block hash -> (parent hash, tokens) of every block in
+        # the pool or on disk that was stored since the start, and which of them are on disk
+        self._kept: dict[str, dict[int, tuple[int | None, np.ndarray]]] | None = \
+            {} if disk else None
+        self._on_disk: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-events", daemon=True)
 
@@ -199,12 +211,54 @@ class VllmEventPublisher:
 
     def _convert(self, ev: KVEvent) -> list[Any]:
         if ev.kind == "cleared":
+            if self._kept is not None:
+                self._on_disk.difference_update(self._kept.pop(ev.namespace, {}))
             return [self._cleared()]
         if ev.key_size or ev.kind.startswith("window"):
             return []  # page keys carry no token ids; window parts leave the positions
         hashes = list(ev.block_hashes)
-        if ev.kind == "removed":  # no pool block: the disk tier below dropped it
-            return [self._removed(hashes, self.medium if ev.block_ids else "STORAGE")]
-        tokens = np.frombuffer(ev.tokens, "<u4", len(hashes) * self.events.block_size).tolist()
-        return [self._stored(hashes, ev.parent_block_hash, tokens, self.events.block_size, None,
-                             self.medium, None)]
+        if ev.kind == "removed":
+            if not ev.block_ids:  # no pool block: the disk tier below dropped it
+                self._forget(ev.namespace, hashes)
+                return [self._removed(hashes, "STORAGE")]
+            out = [self._removed(hashes, self.medium)]
+            if ev.tier == "disk" and self._kept is not None:
+                out += self._to_disk(ev.namespace, hashes)
+            else:
+                self._forget(ev.namespace, hashes)
+            return out
+        tokens = np.frombuffer(ev.tokens, "<u4", len(hashes) * self.events.block_size)
+        out = []
+        if self._kept is not None:
+            promoted = [h for h in hashes if h in self._on_disk]
+            if promoted:
+                self._on_disk.difference_update(promoted)
+                out.append(self._removed(promoted, "STORAGE"))
+            kept = self._kept.setdefault(ev.namespace, {})
+            parent, size = ev.parent_block_hash, self.events.block_size
+            for i, h in enumerate(hashes):
+                kept[h] = (parent, tokens[i * size:(i + 1) * size])
+                parent = h
+        out.append(self._stored(hashes, ev.parent_block_hash, tokens.tolist(),
+                                self.events.block_size, None, self.medium, None))
+        return out
+
+    def _to_disk(self, namespace: str, hashes: list[int]) -> list[Any]:
+        """A BlockStored in STORAGE for each of `hashes` (demoted: not a chain, each with its
+        own parent)."""
+        kept = self._kept.get(namespace, {}) if self._kept is not None else {}
+        out = []
+        for h in hashes:
+            if h in kept:
+                parent, tokens = kept[h]
+                self._on_disk.add(h)
+                out.append(self._stored([h], parent, tokens.tolist(), self.events.block_size,
+                                        None, "STORAGE", None))
+        return out
+
+    def _forget(self, namespace: str, hashes: list[int]) -> None:
+        if self._kept is not None:
+            kept = self._kept.get(namespace, {})
+            for h in hashes:
+                kept.pop(h, None)
+                self._on_disk.discard(h)

@@ -147,6 +147,73 @@ def test_an_index_rebuilt_from_the_events_equals_dumptree_through_eviction_and_c
         assert rebuild(events_of(got)) == {}  # the namespace is gone with its tree
 
 
+def by_medium(events: list[dict]) -> dict[int, tuple[str, int | None, list[int]]]:
+    """A consumer's index with media: block hash -> (medium, parent hash, token ids)."""
+    index: dict[int, tuple[str, int | None, list[int]]] = {}
+    for ev in events:
+        if ev["type"] == "BlockStored":
+            parent = ev["parent_block_hash"]
+            for i, h in enumerate(ev["block_hashes"]):
+                index[h] = (ev["medium"], parent,
+                            ev["token_ids"][i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+                parent = h
+        elif ev["type"] == "BlockRemoved":
+            for h in ev["block_hashes"]:
+                assert index.pop(h)[0] == ev["medium"], ev  # removed from where it was
+        else:
+            index.clear()
+    return index
+
+
+def test_the_disk_tiers_blocks_are_storage_events_demoted_promoted_and_dropped(tmp_path):
+    """A member with a disk tier: blocks the pool evicts to disk become STORAGE (BlockRemoved
+    CPU, BlockStored STORAGE with their tokens and parent), a Match that promotes them moves
+    them back to CPU, and the disk tier's own drops leave STORAGE: the consumer's index holds
+    every block in the medium the member holds it, CPU equal to DumpTree, STORAGE as many as
+    the tier holds, with the tokens each was stored with."""
+    with tempfile.TemporaryDirectory(prefix="rkv-ev-") as d:
+        ev, rp = f"ipc://{d}/ev", f"ipc://{d}/replay"
+        with running_server("--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rp,
+                            "--kv-events-topic", TOPIC, "--disk-dir", str(tmp_path),
+                            "--disk-capacity-blocks", "12", num_blocks=16) as server:
+            sock = server.socket
+            stored = {}
+            for head in range(10):  # 30 blocks through a pool of 16 and a disk of 12
+                tokens = prompt(head, 3)
+                store(sock, tokens)
+                stored[head] = tokens
+
+            def settled(events: list[dict]) -> bool:
+                index = by_medium(events)
+                with Client(sock) as kv:
+                    on_disk = kv.stats()["disk"]["blocks"]
+                cpu = {h: v[1:] for h, v in index.items() if v[0] == "CPU"}
+                return cpu == dumped(sock) and on_disk == sum(
+                    v[0] == "STORAGE" for v in index.values())
+
+            got = replay_until(rp, lambda b: settled(events_of(b)))
+            events = events_of(got)
+            assert settled(events)
+            index = by_medium(events)
+            disk = {h: v for h, v in index.items() if v[0] == "STORAGE"}
+            assert len(disk) >= 6, index  # demoted, and some dropped (30 > 16 + 12)
+            all_tokens = {tuple(t[i:i + BLOCK_SIZE]) for t in stored.values()
+                          for i in range(0, len(t), BLOCK_SIZE)}
+            assert all(tuple(v[2]) in all_tokens for v in disk.values())
+            assert any(e["type"] == "BlockRemoved" and e["medium"] == "STORAGE"
+                       for e in events)  # the disk tier dropped some
+            head = next(h for h in range(10) if tuple(stored[h][:BLOCK_SIZE]) in
+                        {tuple(v[2]) for v in disk.values()})
+            with Client(sock) as kv, kv.lease(NS, stored[head]) as lease:
+                assert lease.num_tokens > 0  # promoted from disk
+            got = replay_until(rp, lambda b: settled(events_of(b)) and len(events_of(b)) >
+                               len(events))
+            after = by_medium(events_of(got))
+            assert settled(events_of(got))
+            first = [h for h, v in after.items() if v[2] == stored[head][:BLOCK_SIZE]]
+            assert first and after[first[0]][0] == "CPU"
+
+
 def test_a_subscriber_that_reconnects_inside_the_replay_window_loses_nothing():
     with publishing() as (sock, ev, rp):
         ctx = zmq.Context()

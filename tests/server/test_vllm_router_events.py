@@ -450,3 +450,48 @@ def test_without_the_events_both_prompts_land_on_one_worker(cluster: Cluster) ->
         decisions = router.decisions()
     assert [c for *_, c in decisions] == [0, 0, 0], decisions
     assert len(set(landed.values())) == 1, (landed, decisions)
+
+
+def test_blocks_on_radixkvs_disk_tier_are_credited_at_the_disk_penalty(tokenizer: Any,
+                                                                      tmp_path: Path) -> None:
+    """Member A with a disk tier: its prompt pushed out of the pool onto disk is announced in
+    STORAGE, and the router credits it at --kv-penalty-disk (not the host's), still sending
+    the prompt to A; B's prompt, in B's pool, at the host's."""
+    with ExitStack() as stack:
+        workers, members = [], []
+        for name, disk in (("A", True), ("B", False)):
+            worker = StubWorker(name, tokenizer)
+            stack.callback(worker.close)
+            forwarder = Forwarder()
+            stack.callback(forwarder.close)
+            replay = f"tcp://127.0.0.1:{free_port()}"
+            flags = ("--disk-dir", str(tmp_path), "--disk-capacity-blocks", "64") if disk else ()
+            server = stack.enter_context(running_server(
+                "--kv-events-endpoint", forwarder.inbound, "--kv-events-replay-endpoint",
+                replay, *flags, num_blocks=16, block_size=BLOCK))
+            workers.append(worker)
+            members.append(Member(server, forwarder, replay))
+        ids_a, ids_b = workers[0].ids({"prompt": TEXT_A}), workers[1].ids({"prompt": TEXT_B})
+        blocks_a, blocks_b = members[0].store(ids_a), members[1].store(ids_b)
+        for i in range(16):  # 16 one-block prompts fill A's pool: TEXT_A goes to disk
+            members[0].store([2_000_000 + i] * BLOCK)
+        last = ids_a[(blocks_a - 1) * BLOCK:blocks_a * BLOCK]
+
+        def demoted() -> list[int]:
+            return [seq for seq, (_, events, _) in members[0].batches()
+                    if any(ev["type"] == "BlockStored" and ev["medium"] == "STORAGE"
+                           and ev["token_ids"] == last for ev in events)]
+
+        on_disk = max(wait_for(demoted, 10, "A's prompt in STORAGE"))  # type: ignore[arg-type]
+        cluster = Cluster.__new__(Cluster)
+        cluster.members, cluster.workers = members, workers
+        cluster.published = [on_disk, members[1].published(ids_b)]
+        with vllm_router(workers, cluster.sources(), "--kv-penalty-host", "0.8",
+                         "--kv-penalty-disk", "0.3") as router:
+            cluster.sync(router)
+            landed = [cluster.route(router, "/v1/completions", {"prompt": text})
+                      for text in (TEXT_A, TEXT_B)]
+            decisions = router.decisions()
+    assert landed == ["A", "B"], (landed, decisions)
+    assert [c for *_, c in decisions] == [host_credit(ids_a, blocks_a, 0.3),
+                                          host_credit(ids_b, blocks_b, 0.8)], decisions

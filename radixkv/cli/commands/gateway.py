@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from radixkv.cluster.router import Router
-    from radixkv.gateway.http_app import BANNER, Gateway, GatewayConfig, serve
     from radixkv.gateway.engines import parse_engine
+    from radixkv.gateway.http_app import BANNER, Gateway, GatewayConfig, serve
     from radixkv.gateway.prompts import Prompts
     from radixkv.protocol.env import client_token
     from radixkv.rpc.auth import read_token

@@ -260,7 +260,7 @@ def _ready(server: Any, config: Any, args: argparse.Namespace) -> None:
             server.service.events,
             VllmEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint,
                              args.kv_events_topic, args.kv_events_encoding),
-            "GPU" if config.backend == "cuda" else "CPU"))
+            "GPU" if config.backend == "cuda" else "CPU", disk=bool(config.disk_dir)))
 
     pool = config.layout
     where = ", ".join(server.addresses)
