@@ -1,6 +1,7 @@
 """The flags more than one command defines, defined once: the KV layout group and its parsing
 (`serve`, `calc`), where a service is (`inspect`, `stats`, `events`, `clear`, `chat`), the
-eviction policy and the sink share (`serve`, `replay`), and the argparse types they use."""
+eviction policy and the sink share (`serve`, `replay`), the long-running servers' logging and
+parent watch (`serve`, `router`, `gateway`), and the argparse types they use."""
 
 from __future__ import annotations
 
@@ -150,6 +151,21 @@ def window_fraction_from_args(layout: KVLayout, text: str | None) -> float | Non
         return check_window_fraction(layout, float(text))
     except (InvalidArgument, ValueError) as e:
         raise InvalidArgument(f"--window-fraction {text}: {e}") from None
+
+
+def add_process_flags(p: argparse.ArgumentParser) -> None:
+    """--log-level and --exit-with-parent, for the commands that serve until stopped."""
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the process that started this one exits (Linux)")
+
+
+def start_logging(args: argparse.Namespace) -> None:
+    """The root logger at --log-level, one line per record with its time and logger."""
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def add_etcd_flags(g: Any) -> None:

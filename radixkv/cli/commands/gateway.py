@@ -4,10 +4,15 @@ member holds its prefix (radixkv/gateway/http_app.py), until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
-from radixkv.cli.flags import add_etcd_flags, etcd_security_from_args, positive_float
+from radixkv.cli.flags import (
+    add_etcd_flags,
+    add_process_flags,
+    etcd_security_from_args,
+    positive_float,
+    start_logging,
+)
 
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -53,9 +58,7 @@ def register(sub: Any) -> None:
     p.add_argument("--read-timeout", type=positive_float, default=600.0, metavar="SECONDS",
                    help="an engine silent this long mid-answer has failed (600)")
     add_etcd_flags(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--exit-with-parent", action="store_true",
-                   help="stop when the process that started this one exits (Linux)")
+    add_process_flags(p)
     p.set_defaults(func=run)
 
 
@@ -72,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from radixkv.rpc.etcd import EtcdTarget
     from radixkv.rpc.process import exit_with_parent
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(args)
     if args.exit_with_parent:
         exit_with_parent()
     try:

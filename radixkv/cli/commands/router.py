@@ -4,10 +4,14 @@ until SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
-from radixkv.cli.flags import add_etcd_flags, etcd_security_from_args
+from radixkv.cli.flags import (
+    add_etcd_flags,
+    add_process_flags,
+    etcd_security_from_args,
+    start_logging,
+)
 
 
 def register(sub: Any) -> None:
@@ -31,9 +35,7 @@ def register(sub: Any) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="allow a TCP --listen without a token (logged loudly)")
     add_etcd_flags(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--exit-with-parent", action="store_true",
-                   help="stop when the process that started this one exits (Linux)")
+    add_process_flags(p)
     p.set_defaults(func=run)
 
 
@@ -44,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from radixkv.rpc.auth import read_token
     from radixkv.rpc.process import exit_with_parent
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(args)
     if args.exit_with_parent:
         exit_with_parent()
 

@@ -13,12 +13,14 @@ from radixkv.cli.flags import (
     add_etcd_flags,
     add_layout_flags,
     add_policy_flag,
+    add_process_flags,
     add_sink_fraction_flag,
     disk_settings,
     etcd_security_from_args,
     layout_from_args,
     positive_float,
     positive_int,
+    start_logging,
     window_fraction_from_args,
 )
 from radixkv.protocol.errors import RadixKVError
@@ -115,10 +117,7 @@ def register(sub: Any) -> None:
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (127.0.0.1; 0 or absent: off)")
     _add_cluster_flags(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--exit-with-parent", action="store_true",
-                   help="stop (as on SIGTERM) when the process that started this one exits; "
-                   "for tools that launch a server of their own (Linux)")
+    add_process_flags(p)
     p.set_defaults(func=run)
 
 
@@ -166,15 +165,13 @@ def _add_cluster_flags(p: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the server config from the flags (and the environment) and serve."""
-    import logging
 
     from radixkv.rpc.auth import read_token
     from radixkv.rpc.process import exit_with_parent, pin_cpus
     from radixkv.server.app import serve
     from radixkv.server.config import ServerConfig
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(args)
     if args.cpus:  # before any thread starts: they inherit it
         try:
             pin_cpus(args.cpus)
