@@ -152,18 +152,22 @@ def test_bad_requests_get_openai_shaped_errors(tokenizer_dir, tmp_path):
             in metrics
 
 
+def held_stream(url: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed completion the stub engine holds after its first event."""
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "w1 hold", "stream": True}),
+                 {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
 def test_streaming_is_passed_through_unbuffered(tokenizer_dir):
     """The engine sends its first event and waits: the caller reads that event through the
     gateway while the engine still holds the rest."""
     with stub_engines("a") as stubs, gateway(tokenizer_dir, "--engine",
                                              f"{stubs['a'].url}=a") as g:
         wait_ready(g.url, 1)
-        where = urlsplit(g.url)
-        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "w1 hold",
-                                                            "stream": True}),
-                     {"Content-Type": "application/json"})
-        response = conn.getresponse()
+        conn, response = held_stream(g.url)
         assert response.status == 200
         assert response.getheader("Content-Type").startswith("text/event-stream")
         first = response.readline()  # the first event's line, before the engine goes on
@@ -176,15 +180,11 @@ def test_streaming_is_passed_through_unbuffered(tokenizer_dir):
 
 
 def test_sigterm_stops_the_gateway_cleanly_with_a_stream_open(tokenizer_dir):
+    """SIGTERM with an answer under way: the gateway gives it its grace, cuts it and exits 0."""
     with stub_engines("a") as stubs:
         with gateway(tokenizer_dir, "--engine", f"{stubs['a'].url}=a") as g:
             wait_ready(g.url, 1)
-            where = urlsplit(g.url)
-            conn = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
-            conn.request("POST", "/v1/completions", json.dumps({"prompt": "w1 hold",
-                                                                "stream": True}),
-                         {"Content-Type": "application/json"})
-            response = conn.getresponse()
+            conn, response = held_stream(g.url)
             assert response.readline().startswith(b"data: {")
             started = time.monotonic()
             assert g.stop() == 0
