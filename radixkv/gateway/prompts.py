@@ -53,17 +53,15 @@ class Prompts:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        try:
-            ids: Any = self.tokenizer.apply_chat_template(
+        try:  # rendered as text, then tokenized without special tokens: as vLLM does
+            text: Any = self.tokenizer.apply_chat_template(
                 [{**m, "content": text_of(m.get("content"))} for m in messages],
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                tokenize=True, **kwargs)
+                tokenize=False, **kwargs)
         except (TypeError, ValueError, KeyError) as e:
             raise BadRequest(f"the chat template cannot render these messages: {e}",
                              "messages") from None
-        if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 returns one by default)
-            ids = ids["input_ids"]
-        return list(ids)
+        return list(self.tokenizer(str(text), add_special_tokens=False)["input_ids"])
 
 
 def text_of(content: Any) -> str:
