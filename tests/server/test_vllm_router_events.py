@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from _forwarder import DIRECT, Forwarder, healthy
 from _server import running_server, wait_for
 
 from radixkv.client import Client
@@ -54,7 +55,6 @@ BLOCK = 16  # the members' block size and the router's --kv-event-block-size (it
 NS = "smol@router"
 MODEL = "smollm2-135m"
 HOST_CREDIT = 0.8  # the router's default --kv-penalty-host
-DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, no proxy
 
 TEXT_A = ("The lighthouse keeper counted the ships that passed the northern cape every night, "
           "writing their names, their flags and the hour in a leather book that his father had "
@@ -83,38 +83,6 @@ def host_credit(ids: list[int], blocks: int, credit: float) -> int:
     prompt token is never credited)."""
     credited = min(blocks * credit * BLOCK, len(ids) - 1)
     return len(ids) - math.ceil(max(len(ids) - credited, 0.0))
-
-
-class Forwarder:
-    """A loopback XSUB/XPUB pair on a thread: a member's PUB connects to `inbound`, the
-    router's SUB to `outbound`; frames and subscriptions pass through unchanged."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.xsub, self.xpub = self.ctx.socket(zmq.XSUB), self.ctx.socket(zmq.XPUB)
-        self.xsub.bind("tcp://127.0.0.1:*")
-        self.xpub.bind("tcp://127.0.0.1:*")
-        self.inbound = self.xsub.LAST_ENDPOINT.decode()
-        self.outbound = self.xpub.LAST_ENDPOINT.decode()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="forwarder", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        other = {self.xsub: self.xpub, self.xpub: self.xsub}
-        for sock in other:
-            poller.register(sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            for sock, _ in poller.poll(50):
-                other[sock].send_multipart(sock.recv_multipart())  # type: ignore[index]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for sock in (self.xsub, self.xpub):
-            sock.close(linger=0)
-        self.ctx.term()
 
 
 class StubWorker:
@@ -317,14 +285,6 @@ def vllm_router(workers: list[StubWorker], sources: Mapping[str, tuple[str, str 
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-
-
-def healthy(url: str) -> bool:
-    try:
-        with DIRECT.open(url + "/health", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
 
 
 class Cluster:
