@@ -547,6 +547,29 @@ def gateway_decision(r: dict[str, Any]) -> list[str]:
     return [*out, "", f"Goals: {goals_met(r['goals'])}."]
 
 
+def gateway(r: dict[str, Any]) -> list[str]:
+    out = ["`bench/gateway.py`: one multi-turn chat workload (streamed, temperature 0) over two "
+           f"vLLM OpenAI servers, one CPU each, `{r['model']}` in bf16, block size "
+           f"{r['block_size']}, vLLM's prefix cache on and radixkv's connector on its own member "
+           f"of one cluster: {r['groups']} system prompts x {r['convs']} conversations x "
+           f"{r['turns']} turns, {r['max_tokens']}-token answers, {r['concurrency']} requests in "
+           f"flight. Working set {num(r['working_set_blocks'])} blocks; each engine's KV and "
+           f"each member's pool {num(r['kv_blocks_per_engine'])} blocks. {r['rounds']} rounds, "
+           "the policies' order rotated; caches reset and the router restarted before each. "
+           "Cached tokens: vLLM's own prefix cache + radixkv's (the connector's external "
+           "hits), from the engines' Prometheus counters.", ""]
+    out += table(["policy", "cached / prompt tokens", "vLLM cache", "radixkv",
+                  "TTFT p50", "TTFT p90", "requests per engine", "failed", "wall"],
+                 ([f"`{row['policy']}`",
+                   f"{num(row['cached_prompt_tokens'])} / {num(row['prompt_tokens'])} "
+                   f"({pct(row['hit_rate'], 1)})", num(row["vllm_cached_tokens"]),
+                   num(row["radixkv_cached_tokens"]), f"{row['ttft_p50_ms']:,.0f} ms",
+                   f"{row['ttft_p90_ms']:,.0f} ms",
+                   " / ".join(str(n) for n in row["requests_per_engine"].values()),
+                   row["failed"], f"{row['wall_s']:.0f} s"] for row in r["rows"]))
+    return [*out, "", f"Goals ({r['goal_text']}): {goals_met(r['goals'])}."]
+
+
 @dataclass(frozen=True)
 class Section:
     name: str  # docs/results/<name>.json
@@ -581,6 +604,8 @@ SECTIONS = (
     Section("kv_events", "KV events on vLLM's wire: latency and bursts", kv_events),
     Section("gateway_decision", "The gateway's decision: 4k tokens over 16 members",
             gateway_decision),
+    Section("gateway", "Routing chats over two vLLM servers: radixkv's gateway and vllm-router",
+            gateway),
 )
 
 
