@@ -5,6 +5,8 @@
         -> every batch the replay ROUTER resends from START, then {"end": true}
     python _vllm_event_reader.py ENCODING live ENDPOINT COUNT
         -> {"subscribed": true} once subscribed, then the first COUNT batches published
+    python _vllm_event_reader.py ENCODING file GOLDEN.json 0
+        -> every batch of a golden fixture (a JSON list of payloads in hex), as sequence 0...
 
 Each batch line: {"seq", "topic", "ts", "rank", "events": [{"type": vLLM's class, fields}]}.
 ENCODING `array` decodes with vLLM's structs made positional (as earlier vLLM sent them)."""
@@ -51,6 +53,11 @@ def line(dec: msgspec.msgpack.Decoder, topic: bytes, seq: bytes, payload: bytes)
 def main() -> None:
     encoding, mode, endpoint, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     dec, ctx = decoder(encoding), zmq.Context()
+    if mode == "file":
+        with open(endpoint) as f:
+            for i, payload in enumerate(json.load(f)):
+                print(line(dec, b"", i.to_bytes(8, "big"), bytes.fromhex(payload)), flush=True)
+        return
     if mode == "replay":
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)

@@ -24,6 +24,7 @@ from radixkv.client import Client
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 READER = Path(__file__).with_name("_vllm_event_reader.py")
+GOLDEN = Path(__file__).with_name("golden")  # kv_events_<encoding>.json: wire payloads, hex
 NS = "chat@rev1"
 TOPIC = "kv@rkv-0@smol"
 
@@ -52,6 +53,12 @@ def store(socket: str, tokens: list[int], namespace: str = NS) -> None:
 
 def replay(endpoint: str, start: int = 0, timeout: float = 10) -> list[tuple[int, dict]]:
     """Every batch the replay socket resends from `start`: (sequence, the batch as builtins)."""
+    return [(seq, msgspec.msgpack.decode(payload))
+            for seq, payload in replay_raw(endpoint, start, timeout)]
+
+
+def replay_raw(endpoint: str, start: int = 0, timeout: float = 10) -> list[tuple[int, bytes]]:
+    """Every batch the replay socket resends from `start`: (sequence, its payload)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.RCVTIMEO = int(timeout * 1000)
@@ -64,7 +71,7 @@ def replay(endpoint: str, start: int = 0, timeout: float = 10) -> list[tuple[int
             if seq == (-1).to_bytes(8, "big", signed=True):
                 return out
             assert topic == TOPIC.encode()
-            out.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+            out.append((int.from_bytes(seq, "big"), payload))
     finally:
         sock.close(linger=0)
         ctx.term()
@@ -283,3 +290,57 @@ def test_vllms_own_structs_decode_what_a_member_publishes(encoding):
     assert all(isinstance(h, int) and 0 <= h < 1 << 64 for e in stored
                for h in e["block_hashes"])
     assert events[-1]["type"] == "AllBlocksCleared"
+
+
+def golden_steps(sock: str, rp: str) -> list[bytes]:
+    """A 3-block prompt stored, then a block after it, then a Clear: one batch each (each
+    step waits for its batch), their payloads with the timestamp zeroed (msgpack: a 3-array,
+    then ts as a float64, 8 bytes)."""
+    def clear() -> None:
+        with Client(sock) as kv:
+            kv.clear(NS)
+
+    steps = [lambda: store(sock, prompt(1, 3)), lambda: store(sock, prompt(1, 3) + prompt(2, 1)),
+             clear]
+    for n, step in enumerate(steps, 1):
+        step()
+        deadline = time.monotonic() + 10
+        while len(batches := replay_raw(rp)) < n:
+            assert time.monotonic() < deadline, "no batch for the step"
+            time.sleep(0.05)
+    assert len(batches) == len(steps), batches
+    assert all(p[:2] == b"\x93\xcb" for _, p in batches)
+    return [p[:2] + bytes(8) + p[10:] for _, p in batches]
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_the_wire_bytes_equal_the_golden_fixtures(encoding):
+    """Byte for byte (but the timestamps) what tests/server/golden/ keeps, which vLLM's own
+    structs decode (next test). RADIXKV_WRITE_GOLDEN=1 writes them anew (a deliberate change
+    of the wire only)."""
+    with publishing(encoding) as (sock, _, rp):
+        got = [p.hex() for p in golden_steps(sock, rp)]
+    path = GOLDEN / f"kv_events_{encoding}.json"
+    if os.environ.get("RADIXKV_WRITE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(got, indent=1) + "\n")
+    assert got == json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_vllms_own_structs_decode_the_golden_fixtures(encoding):
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash scripts/bootstrap --tests`")
+    out = subprocess.run([str(VLLM_PYTHON), str(READER), encoding, "file",
+                          str(GOLDEN / f"kv_events_{encoding}.json"), "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    batches = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [b["rank"] for b in batches] == [0, 0, 0]
+    (first,), (second,), (cleared,) = (b["events"] for b in batches)
+    assert first["type"] == second["type"] == "BlockStored"
+    assert first["token_ids"] == prompt(1, 3) and second["token_ids"] == prompt(2, 1)
+    assert second["parent_block_hash"] == first["block_hashes"][-1]
+    assert first["parent_block_hash"] is None and len(first["block_hashes"]) == 3
+    assert first["medium"] == "CPU" and first["block_size"] == BLOCK_SIZE
+    assert cleared == {"type": "AllBlocksCleared"}
