@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import pytest
-from _server import running_server, tiny_config_path
+from _server import running_server, tiny_config_path, wait_for
 from _sglang_workers import PAGE, Worker, leases_back_to, no_errors, tokens
 
 from radixkv.client import Client
@@ -119,6 +119,15 @@ def test_a_get_of_other_keys_matches_afresh(workers: dict[str, Worker]) -> None:
     no_errors(a, b)
 
 
+def stored_write(worker: Worker, name: str, seq: list[int], seed: int) -> dict:
+    """A write, again until it stores (the backend's link comes up within its retry_s)."""
+    deadline = time.monotonic() + 10
+    while (wrote := worker("write", name=name, tokens=seq, seed=seed))["stored"] == 0:
+        assert time.monotonic() < deadline, "the write stored nothing in 10 s"
+        time.sleep(0.1)
+    return wrote
+
+
 def test_a_get_after_radixkv_restarted_loads_no_stale_page(workers: dict[str, Worker]) -> None:
     """radixkv restarts between batch_exists and batch_get_v1 (the exists' lease ended with
     its pool) and the keys are stored again with other bytes: the get loads nothing, or the
@@ -130,14 +139,12 @@ def test_a_get_after_radixkv_restarted_loads_no_stale_page(workers: dict[str, Wo
         with running_server(num_blocks=32, socket_path=sock):
             a("open", name="restart", socket=sock, extra={"retry_s": 0.2})
             b("open", name="restart", socket=sock, extra={"retry_s": 0.2})
-            old = a("write", name="restart", tokens=seq, seed=1)
+            old = stored_write(a, "restart", seq, seed=1)
             keys = a("keys", name="restart", tokens=seq)["keys"]
-            assert b("exists", name="restart", keys=keys)["exists"] == 3
+            wait_for(lambda: b("exists", name="restart", keys=keys)["exists"] == 3, timeout=10,
+                     what="B to see A's pages")
         with running_server(num_blocks=32, socket_path=sock):
-            deadline = time.monotonic() + 10
-            while (new := a("write", name="restart", tokens=seq, seed=2))["stored"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            new = stored_write(a, "restart", seq, seed=2)
             assert new["pages"] != old["pages"]
             got = b("get", name="restart", keys=keys)
             assert got["pages"] in ([], new["pages"])
