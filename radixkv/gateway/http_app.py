@@ -163,8 +163,8 @@ class Gateway:
         model = body.get("model")
         if models and model is not None and model not in models:
             return failure(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        tokenize = (self.prompts.chat if PATHS[request.path] == "chat"
-                    else self.prompts.completion)
+        chat = PATHS[request.path] == "chat"
+        tokenize = self.prompts.chat if chat else self.prompts.completion
         try:
             tokens = await asyncio.get_running_loop().run_in_executor(None, tokenize, body)
         except BadRequest as e:
@@ -174,8 +174,8 @@ class Gateway:
         if limit and len(tokens) >= limit:
             return failure(400, f"This model's maximum context length is {limit} tokens. "
                            f"However, your request has {len(tokens)} input tokens. Please "
-                           "reduce the length of the input.", "BadRequestError", "messages"
-                           if PATHS[request.path] == "chat" else "prompt")
+                           "reduce the length of the input.", "BadRequestError",
+                           "messages" if chat else "prompt")
         return await self.route(request, raw, body, tokens)
 
     async def route(self, request: web.Request, raw: bytes, body: dict[str, Any],

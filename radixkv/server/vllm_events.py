@@ -98,6 +98,15 @@ class VllmEventsConfig:
     hwm: int = 100_000
 
 
+@dataclass(slots=True)
+class Kept:
+    """A cached block as its BlockStored said it (kept to announce it again in STORAGE)."""
+
+    parent: int | None
+    tokens: np.ndarray  # its token ids, uint32
+    on_disk: bool = False
+
+
 def binds(endpoint: str) -> bool:
     """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -137,11 +146,9 @@ class VllmEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self._after = 0  # from the first event: what a warm start restored goes out too
-        # with a disk tier: namespace -> block hash -> (parent hash, tokens) of every block in
-        # the pool or on disk that was stored since the start, and which of them are on disk
-        self._kept: dict[str, dict[int, tuple[int | None, np.ndarray]]] | None = \
-            {} if disk else None
-        self._on_disk: set[int] = set()
+        # with a disk tier: namespace -> block hash -> every block in the pool or on disk that
+        # was stored since the start
+        self._kept: dict[str, dict[int, Kept]] | None = {} if disk else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-events", daemon=True)
 
@@ -212,53 +219,44 @@ class VllmEventPublisher:
     def _convert(self, ev: KVEvent) -> list[Any]:
         if ev.kind == "cleared":
             if self._kept is not None:
-                self._on_disk.difference_update(self._kept.pop(ev.namespace, {}))
+                self._kept.pop(ev.namespace, None)
             return [self._cleared()]
         if ev.key_size or ev.kind.startswith("window"):
             return []  # page keys carry no token ids; window parts leave the positions
         hashes = list(ev.block_hashes)
-        if ev.kind == "removed":
-            if not ev.block_ids:  # no pool block: the disk tier below dropped it
-                self._forget(ev.namespace, hashes)
-                return [self._removed(hashes, "STORAGE")]
-            out = [self._removed(hashes, self.medium)]
-            if ev.tier == "disk" and self._kept is not None:
-                out += self._to_disk(ev.namespace, hashes)
-            else:
-                self._forget(ev.namespace, hashes)
+        kept = None if self._kept is None else self._kept.setdefault(ev.namespace, {})
+        if ev.kind == "removed":  # without pool blocks: the disk tier below dropped them
+            out = [self._removed(hashes, self.medium if ev.block_ids else "STORAGE")]
+            if kept is not None:
+                if ev.block_ids and ev.tier == "disk":
+                    out += self._to_disk(kept, hashes)
+                else:
+                    for h in hashes:
+                        kept.pop(h, None)
             return out
-        tokens = np.frombuffer(ev.tokens, "<u4", len(hashes) * self.events.block_size)
+        size = self.events.block_size
+        tokens = np.frombuffer(ev.tokens, "<u4", len(hashes) * size)
         out = []
-        if self._kept is not None:
-            promoted = [h for h in hashes if h in self._on_disk]
+        if kept is not None:
+            promoted = [h for h in hashes if h in kept and kept[h].on_disk]
             if promoted:
-                self._on_disk.difference_update(promoted)
                 out.append(self._removed(promoted, "STORAGE"))
-            kept = self._kept.setdefault(ev.namespace, {})
-            parent, size = ev.parent_block_hash, self.events.block_size
+            parent = ev.parent_block_hash
             for i, h in enumerate(hashes):
-                kept[h] = (parent, tokens[i * size:(i + 1) * size])
+                kept[h] = Kept(parent, tokens[i * size:(i + 1) * size])
                 parent = h
-        out.append(self._stored(hashes, ev.parent_block_hash, tokens.tolist(),
-                                self.events.block_size, None, self.medium, None))
+        out.append(self._stored(hashes, ev.parent_block_hash, tokens.tolist(), size, None,
+                                self.medium, None))
         return out
 
-    def _to_disk(self, namespace: str, hashes: list[int]) -> list[Any]:
+    def _to_disk(self, kept: dict[int, Kept], hashes: list[int]) -> list[Any]:
         """A BlockStored in STORAGE for each of `hashes` (demoted: not a chain, each with its
         own parent)."""
-        kept = self._kept.get(namespace, {}) if self._kept is not None else {}
         out = []
         for h in hashes:
-            if h in kept:
-                parent, tokens = kept[h]
-                self._on_disk.add(h)
-                out.append(self._stored([h], parent, tokens.tolist(), self.events.block_size,
-                                        None, "STORAGE", None))
+            block = kept.get(h)
+            if block is not None:
+                block.on_disk = True
+                out.append(self._stored([h], block.parent, block.tokens.tolist(),
+                                        self.events.block_size, None, "STORAGE", None))
         return out
-
-    def _forget(self, namespace: str, hashes: list[int]) -> None:
-        if self._kept is not None:
-            kept = self._kept.get(namespace, {})
-            for h in hashes:
-                kept.pop(h, None)
-                self._on_disk.discard(h)

@@ -292,6 +292,11 @@ class Cluster:
 
     def __init__(self, members: list[Member], workers: list[StubWorker]) -> None:
         self.members, self.workers = members, workers
+        self.published: list[int] = []  # per member: the event sequence `sync` waits for
+
+    def store_prompts(self) -> Cluster:
+        """TEXT_A cached on A, TEXT_B and CHAT_B on B."""
+        members, workers = self.members, self.workers
         self.ids_a = workers[0].ids({"prompt": TEXT_A})
         self.ids_b = workers[1].ids({"prompt": TEXT_B})
         self.chat_b = workers[1].ids({"messages": CHAT_B})
@@ -300,6 +305,7 @@ class Cluster:
         self.published = [members[0].published(self.ids_a),
                           max(members[1].published(self.ids_b),
                               members[1].published(self.chat_b))]
+        return self
 
     def sources(self) -> dict[str, tuple[str, str | None]]:
         return {w.url: (m.forwarder.outbound, m.replay)
@@ -369,7 +375,7 @@ def cluster(tokenizer: Any) -> Iterator[Cluster]:
                 replay, num_blocks=64, block_size=BLOCK))
             workers.append(worker)
             members.append(Member(server, forwarder, replay))
-        yield Cluster(members, workers)
+        yield Cluster(members, workers).store_prompts()
 
 
 def test_prompts_go_to_the_member_that_caches_them(cluster: Cluster) -> None:
@@ -443,8 +449,7 @@ def test_blocks_on_radixkvs_disk_tier_are_credited_at_the_disk_penalty(tokenizer
                            and ev["token_ids"] == last for ev in events)]
 
         on_disk = max(wait_for(demoted, 10, "A's prompt in STORAGE"))  # type: ignore[arg-type]
-        cluster = Cluster.__new__(Cluster)
-        cluster.members, cluster.workers = members, workers
+        cluster = Cluster(members, workers)
         cluster.published = [on_disk, members[1].published(ids_b)]
         with vllm_router(workers, cluster.sources(), "--kv-penalty-host", "0.8",
                          "--kv-penalty-disk", "0.3") as router:

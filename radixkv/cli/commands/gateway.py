@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from radixkv.gateway.engines import parse_engine
     from radixkv.gateway.http_app import BANNER, Gateway, GatewayConfig, serve
     from radixkv.gateway.prompts import Prompts
+    from radixkv.integrations.vllm.scheduler import default_namespace
     from radixkv.protocol.env import client_token
     from radixkv.rpc.auth import read_token
     from radixkv.rpc.etcd import EtcdTarget
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("radixkv gateway: --tls-cert and --tls-key go together")
     config = GatewayConfig(
-        engines, args.tokenizer, args.namespace or f"vllm:{args.tokenizer}@main/{args.dtype}",
+        engines, args.tokenizer,
+        args.namespace or default_namespace(args.tokenizer, None, args.dtype),
         args.host, args.port, read_token(args.auth_token_file, None), args.tls_cert,
         args.tls_key, args.max_model_len, args.read_timeout)
     router = None

@@ -76,7 +76,13 @@ def base_namespace(vllm_config: Any, configured: str | None) -> str:
     if configured:
         return configured
     model = vllm_config.model_config
-    return f"vllm:{model.model}@{model.revision or 'main'}/{DTYPES.get(str(model.dtype))}"
+    return default_namespace(model.model, model.revision, DTYPES.get(str(model.dtype)))
+
+
+def default_namespace(model: str, revision: str | None, dtype: str | None) -> str:
+    """The connector's namespace for a model served by that name (`--model`), at `revision`
+    (None: main), with KV of `dtype` ("bf16", ...): what `radixkv gateway` routes by too."""
+    return f"vllm:{model}@{revision or 'main'}/{dtype}"
 
 
 def request_namespace(base: str, request: Any) -> str:
