@@ -79,6 +79,31 @@ def tokens(start: int, pages: int) -> list[int]:
     return list(range(start, start + pages * PAGE))
 
 
+def stored_write(worker: Worker, name: str, seq: list[int], seed: int) -> dict[str, Any]:
+    """A write, again until it stores (the backend's link comes up within its retry_s, later
+    on a loaded machine)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while (wrote := worker("write", name=name, tokens=seq, seed=seed))["stored"] == 0:
+        assert time.monotonic() < deadline, "the write stored nothing in 10 s"
+        time.sleep(0.1)
+    return wrote
+
+
+def loaded_prefetch(worker: Worker, name: str, seq: list[int]) -> dict[str, Any]:
+    """A prefetch, again until it loads something (a backup answers before radixkv has
+    processed its Insert), for 10 s; the last answer."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while (got := worker("prefetch", name=name, tokens=seq))["loaded"] == 0:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return got
+
+
 def no_errors(*ws: Worker) -> None:
     for w in ws:
         assert w("errors")["errors"] == []

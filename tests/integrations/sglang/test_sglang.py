@@ -15,7 +15,15 @@ from typing import Any
 
 import pytest
 from _server import running_server, tiny_config_path, wait_for
-from _sglang_workers import PAGE, Worker, leases_back_to, no_errors, tokens
+from _sglang_workers import (
+    PAGE,
+    Worker,
+    leases_back_to,
+    loaded_prefetch,
+    no_errors,
+    stored_write,
+    tokens,
+)
 
 from radixkv.client import Client
 from radixkv.server.launch import start_server
@@ -119,15 +127,6 @@ def test_a_get_of_other_keys_matches_afresh(workers: dict[str, Worker]) -> None:
     no_errors(a, b)
 
 
-def stored_write(worker: Worker, name: str, seq: list[int], seed: int) -> dict:
-    """A write, again until it stores (the backend's link comes up within its retry_s)."""
-    deadline = time.monotonic() + 10
-    while (wrote := worker("write", name=name, tokens=seq, seed=seed))["stored"] == 0:
-        assert time.monotonic() < deadline, "the write stored nothing in 10 s"
-        time.sleep(0.1)
-    return wrote
-
-
 def test_a_get_after_radixkv_restarted_loads_no_stale_page(workers: dict[str, Worker]) -> None:
     """radixkv restarts between batch_exists and batch_get_v1 (the exists' lease ended with
     its pool) and the keys are stored again with other bytes: the get loads nothing, or the
@@ -225,8 +224,8 @@ def test_radixkv_down_then_back(workers: dict[str, Worker]) -> None:
         assert b("prefetch", name="down", tokens=seq)["hit"] == 0
         with running_server(num_blocks=16, socket_path=sock):
             time.sleep(0.3)
-            assert b("write", name="down", tokens=seq, seed=1)["stored"] == len(seq)
-            assert b("prefetch", name="down", tokens=seq)["loaded"] == len(seq)
+            assert stored_write(b, "down", seq, seed=1)["stored"] == len(seq)
+            assert loaded_prefetch(b, "down", seq)["loaded"] == len(seq)
     no_errors(b)
 
 
@@ -300,8 +299,8 @@ def test_radixkv_killed_mid_prefetch(workers: dict[str, Worker]) -> None:
             assert not os.path.exists(shm)  # the restart reclaimed the killed pool
             time.sleep(0.3)  # past B's retry_s
             assert b("prefetch", name="kill", tokens=seq)["hit"] == 0  # a new, empty pool
-            wrote = a("write", name="kill", tokens=seq, seed=6)
-            got = b("prefetch", name="kill", tokens=seq)
+            wrote = stored_write(a, "kill", seq, seed=6)
+            got = loaded_prefetch(b, "kill", seq)
             assert got["loaded"] == len(seq) and got["pages"] == wrote["pages"]
     no_errors(a, b)
 

@@ -19,7 +19,14 @@ from typing import Any
 
 import pytest
 from _server import running_server, tiny_config_path, wait_for
-from _sglang_workers import Worker, leases_back_to, no_errors, tokens
+from _sglang_workers import (
+    Worker,
+    leases_back_to,
+    loaded_prefetch,
+    no_errors,
+    stored_write,
+    tokens,
+)
 
 from radixkv.client import Client
 from radixkv.server.launch import start_server
@@ -106,7 +113,7 @@ def test_an_insert_after_its_lease_expired_stores_nothing(workers: dict[str, Wor
             assert s["expired_leases"] == 1 and s["integrity"] == "ok"
             # the next backup of those pages stores them
             wrote = a("write", name="expired", tokens=seq, seed=6)
-            got = b("prefetch", name="expired", tokens=seq)
+            got = loaded_prefetch(b, "expired", seq)
             assert got["loaded"] == len(seq) and got["pages"] == wrote["pages"]
         finally:
             assert server.stop() == 0
@@ -133,8 +140,8 @@ def test_an_insert_after_radixkv_died_stores_nothing(workers: dict[str, Worker])
         with running_server(num_blocks=32, socket_path=server.socket):
             time.sleep(0.3)  # past retry_s
             assert b("prefetch", name="died", tokens=seq)["hit"] == 0  # a new, empty pool
-            again = a("write", name="died", tokens=seq, seed=7)
-            got = b("prefetch", name="died", tokens=seq)
+            again = stored_write(a, "died", seq, seed=7)
+            got = loaded_prefetch(b, "died", seq)
             assert got["loaded"] == len(seq) and got["pages"] == again["pages"] == wrote["pages"]
     no_errors(a, b)
 
