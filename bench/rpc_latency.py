@@ -40,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentile_us  # noqa: E402
+from _peek import run_peek  # noqa: E402
 
 from radixkv.index.policies import DEFAULT_POLICY  # noqa: E402
 
@@ -345,6 +346,14 @@ def allocate_insert(target: str, num_tokens: int, block_size: int, iters: int) -
 
 # ---- main --------------------------------------------------------------------------------------
 
+def peek_line(r: dict[str, object]) -> str:
+    peek, match = r["peek_4k"], r["match_4k"]
+    return (f"lookup table, 4096-token prompt: peek p50 {peek['p50_us']:.1f} us p99 "  # type: ignore[index]
+            f"{peek['p99_us']:.1f} us (retries {peek['retry_pct']:.2f} %) vs Match p50 "  # type: ignore[index]
+            f"{match['p50_us']:.0f} us p99 {match['p99_us']:.0f} us, inserting "  # type: ignore[index]
+            f"{r['inserted_blocks_per_s']:.0f} blocks/s, {r['wrong_answers']} wrong answers")
+
+
 def default_server_cpus() -> str:
     """The last CPU this process may use, or "none" on a single CPU (nothing to keep apart)."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -370,6 +379,8 @@ def main() -> int:
                    "'none'; the clients go where the OS puts them")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"eviction policy of the radixkv servers ({DEFAULT_POLICY})")
+    p.add_argument("--peek-only", action="store_true",
+                   help="only the lookup table's case: peek_4k beside match_4k under inserts")
     p.add_argument("--json", action="store_true")
     p.add_argument("--echo-server", nargs=3, metavar=("UNIX", "PORT", "REPLY_BYTES"),
                    help=argparse.SUPPRESS)
@@ -416,6 +427,13 @@ def main() -> int:
             for i in range(args.replicas)]
         from radixkv.protocol.tokens import to_token_bytes
         from radixkv.v1 import radixkv_pb2 as pb
+
+        peek_prompt = prompt(args.seed + 4096, 4096)
+        if args.peek_only:
+            results["unix"] = run_peek(f"unix://{kv_servers[0][0]}", peek_prompt,
+                                       args.block_size, args.seconds, args.rounds)
+            print(json.dumps(results, indent=2) if args.json else peek_line(results["unix"]))
+            return 0
 
         prompts = [prompt(args.seed * 1000 + i, args.prompt_tokens) for i in range(64)]
         m = [populate(sock, prompts, args.block_size) for sock, _ in kv_servers][0]  # alike
@@ -479,6 +497,9 @@ def main() -> int:
             r["stub_n"] = median_of(many["stub"])
             r["allocate_insert"] = allocate_insert(kv_ts[0], args.prompt_tokens,
                                                    args.block_size, 200)
+            if transport == "unix":  # the table is read the same whatever the transport
+                r.update(run_peek(kv_ts[0], peek_prompt, args.block_size, args.seconds,
+                                  args.rounds))
             spread = round_ratios(many["match"], many["echo"], "calls_per_s")
             r["match_n_over_echo_n_by_round"] = spread
             r["ratios"] = {
@@ -515,6 +536,8 @@ def main() -> int:
                       f"{ratios['batched_over_unbatched_requests_per_s']:.1f}x")
                 print(f"[{transport}] Allocate+Insert p50 {r['allocate_insert']['p50_us']:.0f} us"
                       f" p99 {r['allocate_insert']['p99_us']:.0f} us")
+                if "peek_4k" in r:
+                    print(f"[{transport}] {peek_line(r)}")
                 for n, label in (("1", "1 client"), ("n", f"{args.clients} clients")):
                     two, four = r[f"cycle_two_{n}"], r[f"cycle_four_{n}"]
                     print(f"[{transport}] request cycle, {label}: two trips "

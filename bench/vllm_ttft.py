@@ -24,19 +24,20 @@ sC (prompts of `--prompt-tokens`):
                                  tokens show it), then P+sA again           -> its hit, for scale
 
 A, B and E run without vLLM's own prefix cache. The connector's own cost is read from B's
-`stats_file` (radixkv.integrations.vllm): the scheduler's Match plus the time the engine's
-thread waits for the load (copy into vLLM's pages and Release), as a share of B's TTFT
-(`connector_share`). E runs ExampleConnector timed (bench/_vllm_timed_example.py): its lookup,
-the files it loads before the forward and the files it writes during it (it stores a prompt
-inside the forward), so the two connectors' own costs compare (`connector_vs_example_connector`)
-without the prefill's run-to-run spread, which at 0 % shared is all the TTFT ratio shows. Loads
-are copied layer by layer on a thread beside the forward (on the
-CPUs the engines are not pinned to, `--load-cpus`), whose own CPU time gives
-`connector_cpu_share`; `--whole-loads` copies them before the forward instead. Storing (Match
-with allocation, copy, Insert) runs after the first token and is reported apart. Greedy outputs
-(`--max-tokens`) are compared with E's run of P+sB, a full prefill where E missed
-(`outputs_identical`), and with vLLM's own prefix cache on the same prompt
-(`outputs_identical_to_vllm_prefix_cache`).
+`stats_file` (radixkv.integrations.vllm): the lookup (the scheduler's read of radixkv's lookup
+table and the worker's pin, or with `--lookup match` the scheduler's Match; the scheduler's part
+alone is `scheduler_us_p50` / `_p99`) plus the time the engine's thread waits for the load (copy
+into vLLM's pages and Release), as a share of B's TTFT (`connector_share`). E runs
+ExampleConnector timed (bench/_vllm_timed_example.py): its lookup, the files it loads before the
+forward and the files it writes during it (it stores a prompt inside the forward), so the two
+connectors' own costs compare (`connector_vs_example_connector`) without the prefill's run-to-
+run spread, which at 0 % shared is all the TTFT ratio shows. Loads are copied layer by layer on
+a thread beside the forward (on the CPUs the engines are not pinned to, `--load-cpus`), whose
+own CPU time gives `connector_cpu_share`; `--whole-loads` copies them before the forward
+instead. Storing (Match with allocation, copy, Insert) runs after the first token and is
+reported apart. Greedy outputs (`--max-tokens`) are compared with E's run of P+sB, a full
+prefill where E missed (`outputs_identical`), and with vLLM's own prefix cache on the same
+prompt (`outputs_identical_to_vllm_prefix_cache`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from _common import emit, engine_python, log, radixkv_server
 
 BLOCK = 128  # vLLM's CPU block size; radixkv serves the same
@@ -88,8 +90,8 @@ class Stats:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             lines += self.new()
-            if any(x["op"] == "save" or (x["op"] == "store_match" and not x["new_blocks"])
-                   for x in lines):
+            if any(x["op"] == "save" or (x["op"] in ("store_match", "store_peek")
+                                         and x["new_blocks"] <= 0) for x in lines):
                 break
             time.sleep(0.02)
         return lines
@@ -149,7 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "kv_connector_extra_config": {"socket": sock,
                                                   "stats_file": str(work / name),
                                                   "layerwise": not args.whole_loads,
-                                                  "load_cpus": args.load_cpus}}
+                                                  "load_cpus": args.load_cpus,
+                                                  "lookup": args.lookup}}
 
         def engine(name: str, connector: dict[str, Any] | None, *extra: str,
                    venv: str = python) -> Driver:
@@ -252,6 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": models.REAL_MODEL, "prompt_tokens": n, "block_size": BLOCK,
             "repeat": args.repeat, "max_tokens": args.max_tokens, "cpu": args.cpu,
             "loads": "whole" if args.whole_loads else "layerwise", "load_cpus": args.load_cpus,
+            "lookup": args.lookup,
             "load_average": os.getloadavg(), "loader_cpus_seen": b_stats.loader_cpus,
             "seed": args.seed, "rows": rows, "goals": goals(rows), "goal_text": GOALS}
 
@@ -264,7 +268,7 @@ def measure(args: argparse.Namespace, shares: list[int],
     engine timed after the previous repeat measured 5-15 % slower on the same work."""
     mt = args.max_tokens
     keys = ("radixkv", "no_cache", "vllm_prefix_cache", "example", "example_same_prompt",
-            "match", "load", "load_cpu", "load_copy", "store", "prefill_radixkv",
+            "match", "scheduler", "load", "load_cpu", "load_copy", "store", "prefill_radixkv",
             "prefill_vllm_prefix_cache", "example_own", "example_save", "example_hit_load")
     t: dict[int, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in shares}
     same: dict[int, list[bool]] = {s: [] for s in shares}
@@ -312,7 +316,10 @@ def measure(args: argparse.Namespace, shares: list[int],
             row[key].append(ttft(answer))
         row["prefill_radixkv"].append(rb["prefill"][0] or 0.0)
         row["prefill_vllm_prefix_cache"].append(rp["prefill"][0] or 0.0)
-        row["match"].append(sum(x["s"] for x in lines if x["op"] == "match"))
+        # the lookup (the scheduler's table read, or its Match) and the worker's pin
+        row["match"].append(sum(x["s"] for x in lines if x["op"] in ("match", "peek", "pin")))
+        row["scheduler"] += [x["s"] for x in lines if x["op"] in ("match", "peek")
+                             and x.get("side") == "scheduler"]
         loads = [x for x in lines if x["op"] == "load"]
         row["load"].append(sum(x["s"] for x in loads))  # the engine's thread waiting
         # the copy's own time (layer-wise: on the loader thread, beside the forward)
@@ -352,6 +359,9 @@ def row_of(args: argparse.Namespace, share: int, t: dict[str, list[float]], same
         # the load as the engine's thread sees it (its waits for the copy), and the copy's own
         # wall and CPU time (layer-wise loads copy on a thread beside the forward)
         "match_ms": med("match"), "load_wait_ms": med("load"), "load_copy_ms": med("load_copy"),
+        # the connector's time on vLLM's scheduler thread per new request (its lookup)
+        "scheduler_us_p50": statistics.median(t["scheduler"]) * 1e6,
+        "scheduler_us_p99": float(np.percentile(t["scheduler"], 99)) * 1e6,
         "load_cpu_ms": med("load_cpu"),
         "connector_share": statistics.median(shares_of_ttft),
         "connector_cpu_share": statistics.median(cpu_shares),
@@ -436,6 +446,10 @@ def main() -> None:
                    "or a list such as '1')")
     p.add_argument("--whole-loads", action="store_true", help="copy loads whole before the "
                    "forward (the connector's layerwise false) instead of layer by layer")
+    p.add_argument("--lookup", choices=("table", "match"), default="table",
+                   help="how the connector's scheduler side looks a prompt up: radixkv's "
+                   "lookup table in shared memory (table, the default; the worker pins), or a "
+                   "Match on the scheduler thread (match: the path before the table)")
     p.add_argument("--peer", action="store_true", help="B's member is another than A's: two "
                    "members (etcd, TCP with a token, serve --peer-fetch), B's prefix comes by "
                    "peer fetch; no ExampleConnector (bench/_vllm_peer.py)")

@@ -21,8 +21,9 @@ from kvpool.copy import gather, scatter
 from kvpool.errors import PoolError
 from kvpool.factory import attach, create_pool
 from kvpool.handle import BACKENDS, PoolHandle
-from kvpool.host import install_signal_cleanup, reclaim_stale_segments, unlink_owned_segments
+from kvpool.host import install_signal_cleanup, reclaim_stale_segments
 from kvpool.layout import KVLayout
+from kvpool.segment import unlink_owned_segments
 from kvpool.sizing import num_blocks_for, slab_shape, slab_strides
 
 __all__ = [

@@ -29,8 +29,6 @@ import mmap
 import os
 import re
 import signal
-import threading
-import weakref
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -48,6 +46,7 @@ from kvpool.errors import (
 from kvpool.handle import PoolHandle, pid_alive
 from kvpool.layout import KVLayout
 from kvpool.prefault import Prefault
+from kvpool.segment import SEGMENT_NAME_RE, SHM_DIR, own, unlink_owned_segments
 from kvpool.slab import Slab
 from kvpool.units import format_bytes
 
@@ -56,40 +55,12 @@ if TYPE_CHECKING:  # torch is imported lazily, on the first torch view
 
 log = logging.getLogger("kvpool.host")
 
-SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*")
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-# Segments this process owns and has not unlinked yet: path -> owner pid (the pid guards
-# forked children, which inherit this dict but must not unlink their parent's segments).
-_LIVE: dict[str, int] = {}
-_LIVE_LOCK = threading.RLock()  # re-entrant: the signal handler runs on the main thread
 
 
 def _round_up(n: int, granule: int) -> int:
     return -(-n // granule) * granule
-
-
-def _unlink(path: str, owner_pid: int) -> None:
-    """Unlink an owned segment once; a no-op in any process but the owner."""
-    with _LIVE_LOCK:
-        _LIVE.pop(path, None)
-    if os.getpid() != owner_pid:
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def unlink_owned_segments() -> list[str]:
-    """Unlink every segment this process owns (the pools stay mapped and usable here, but no
-    new process can attach). What the signal handlers run; returns the paths unlinked."""
-    pid = os.getpid()
-    with _LIVE_LOCK:
-        owned = [p for p, owner in _LIVE.items() if owner == pid]
-    for path in owned:
-        _unlink(path, pid)
-    return owned
 
 
 _installed: set[int] = set()
@@ -289,9 +260,7 @@ class HostBlockPool(_MappedBytes, BlockPool):
         # page fault per 4 KiB either; the memory is reserved already, only the entries are new
         assert self._map.mm is not None
         self.prefault = Prefault(self._map.mm, self.name) if reserve else None
-        with _LIVE_LOCK:
-            _LIVE[self.path] = self.owner_pid
-        self._finalizer = weakref.finalize(self, _finalize_owner, self.path, self.owner_pid, fd)
+        self._finalizer = own(self, self.path, fd)
 
     def _too_small(self, free: int, shm_dir: str) -> str:
         return (
@@ -329,12 +298,6 @@ class HostBlockPool(_MappedBytes, BlockPool):
             log.debug("pool %s closed with views alive; unmapped when they go", self.name)
 
 
-def _finalize_owner(path: str, owner_pid: int, fd: int) -> None:
-    _unlink(path, owner_pid)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
 class HostPoolMapping(_MappedBytes, PoolMapping):
     """An attaching process's mapping of a host pool. Never unlinks anything. With `prefault`
     (the default) its pages are mapped in ahead of use, in the background (kvpool/prefault.py:
@@ -343,7 +306,7 @@ class HostPoolMapping(_MappedBytes, PoolMapping):
     def __init__(self, handle: PoolHandle, shm_dir: str = SHM_DIR, prefault: bool = True
                  ) -> None:
         super().__init__(handle)
-        if not _NAME_RE.fullmatch(handle.name):
+        if not SEGMENT_NAME_RE.fullmatch(handle.name):
             raise InvalidArgument(f"segment name {handle.name!r} is not a plain file name")
         path = os.path.join(shm_dir, handle.name)
         try:

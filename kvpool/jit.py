@@ -1,5 +1,6 @@
-"""CPU kernels built on first use (torch C++ extensions), then loaded: the one build-and-load
-path of kvpool/quant_kernel.py and radixkv/integrations/pages_kernel.py.
+"""CPU kernels built on first use (torch C++ extensions, or plain C libraries loaded with ctypes:
+`CLibrary`), then loaded: the one build-and-load path of kvpool/quant_kernel.py,
+radixkv/integrations/pages_kernel.py and radixkv/table/native.py.
 
 A kernel is compiled for this CPU into $RADIXKV_CACHE_DIR (default ~/.cache/radixkv)/kernels/
 <prefix>-<key>/, the key hashing the source, the flags, torch, Python and the CPU's features; a
@@ -16,12 +17,14 @@ why. So does a library there that lacks the kernel's ops.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -110,8 +113,6 @@ class Kernel:
         return Path(os.path.realpath(cache_dir())) / "kernels" / f"{self.prefix}-{self.key()}"
 
     def _build_and_load(self) -> Any:
-        import torch
-
         build = self.build_dir()
         private_dir(build.parent.parent, "the cache directory")
         private_dir(build.parent, "the kernel cache directory")
@@ -128,6 +129,11 @@ class Kernel:
         library = build / f"{self.name}.so"
         check_private(built, "the kernel build marker")
         check_private(library, "the kernel library")
+        return self._load(library)
+
+    def _load(self, library: Path) -> Any:
+        import torch
+
         torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
         ops = getattr(torch.ops, self.name)
         missing = [name for name in self.op_names if not hasattr(ops, name)]
@@ -151,3 +157,34 @@ class Kernel:
                            is_python_module=False, verbose=False)
         print(f"radixkv: {self.what} built in {time.monotonic() - start:.0f} s",
               file=sys.stderr, flush=True)
+
+
+class CLibrary(Kernel):
+    """A plain C library built with the system's C compiler ($CC, else cc) and loaded with
+    ctypes (no torch): what a reader that must not import torch calls. `ops` gives the
+    ctypes.CDLL; `op_names` are the symbols it must export."""
+
+    def key(self) -> str:
+        return hashlib.sha256(b"\0".join([
+            self.source.read_bytes(), " ".join(self.cflags).encode(), sys.version.encode(),
+            platform.machine().encode(), cpu_features().encode()])).hexdigest()[:16]
+
+    def _build(self, build: Path) -> None:
+        compiler = os.environ.get("CC", "cc")
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"no C compiler: {compiler} not found")
+        out = build / f"{self.name}.so"
+        done = subprocess.run([compiler, *self.cflags, "-shared", "-fPIC", "-o", str(out),
+                               str(self.source), *self.ldflags],
+                              capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(done.stderr or f"{compiler} exited {done.returncode}")
+        os.chmod(out, 0o700)
+
+    def _load(self, library: Path) -> Any:
+        lib = ctypes.CDLL(str(library))
+        missing = [name for name in self.op_names if not hasattr(lib, name)]
+        if missing:
+            raise RuntimeError(f"{library} lacks {', '.join(missing)} (a library of another "
+                               "source? remove its directory to rebuild)")
+        return lib

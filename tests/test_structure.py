@@ -206,7 +206,7 @@ def test_no_private_name_is_imported_across_modules() -> None:
 LAYERS = (  # bottom up
     ("kvpool",),
     ("radixkv.v1", "radixkv.etcd", "radixkv.protocol", "radixkv"),  # "radixkv": its __init__
-    ("radixkv.client", "radixkv.index"),
+    ("radixkv.client", "radixkv.index", "radixkv.table"),
     ("radixkv.service",),
     ("radixkv.disk",),
     ("radixkv.rpc",),

@@ -26,3 +26,17 @@ def open_channel(target: str, max_message_bytes: int, tls_ca: str | None = None)
         raise errors.InvalidArgument(f"cannot read the TLS CA {ca!r}: {e}") from None
     creds = grpc.ssl_channel_credentials(root_certificates=root)
     return grpc.secure_channel(target, creds, options=options)
+
+
+def check_health(channel: grpc.Channel, service: str, timeout: float) -> str:
+    """The standard health Check's status name (SERVING, NOT_SERVING, ...)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from radixkv.protocol.wire import to_error
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as e:
+        raise to_error(e) from None
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))

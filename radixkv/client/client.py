@@ -24,8 +24,9 @@ from typing import Any
 import grpc
 
 from kvpool import PoolMapping, attach
-from radixkv.client.channel import open_channel
+from radixkv.client.channel import check_health, open_channel
 from radixkv.client.lease import Lease
+from radixkv.client.peeks import Peeks
 from radixkv.protocol import errors
 from radixkv.protocol.env import check_socket_dir, client_token, normalize_target
 from radixkv.protocol.errors import InvalidArgument, RadixKVError
@@ -48,13 +49,14 @@ from radixkv.protocol.wire import (
     pool_info_from_pb,
     to_error,
 )
+from radixkv.table.reader import Peek
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 
 log = logging.getLogger("radixkv.client.client")
 
 # what engines and tools import from here
-__all__ = ["STORE_ALL", "Client", "Lease", "PoolInfo", "RadixKVError", "message_dict",
+__all__ = ["STORE_ALL", "Client", "Lease", "Peek", "PoolInfo", "RadixKVError", "message_dict",
            "normalize_target", "pool_info_from_pb", "to_error"]
 
 
@@ -80,6 +82,7 @@ class Client:
         self._epoch: str | None = None  # the newest pool epoch any answer carried
         self._gone: set[str] = set()  # the epochs this client saw replaced by a newer one
         self.restarts = 0  # service restarts this client noticed (pool epoch changes)
+        self._peeks = Peeks(lambda: self._info or self._fresh_info(), self._fresh_info)
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -103,6 +106,7 @@ class Client:
                                      f"after {timeout:g} s") from None
 
     def close(self) -> None:
+        self._peeks.close()
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
@@ -145,6 +149,7 @@ class Client:
         log.warning("radixkv service restarted (pool epoch %s -> %s): re-attaching the pool; "
                     "leases and block ids from before are gone", self._epoch, epoch)
         self.restarts += 1
+        self._peeks.close()
         if self._epoch is not None:
             self._gone.add(self._epoch)
         self._info = None
@@ -162,6 +167,11 @@ class Client:
             assert self._info is not None
             self._mapping = attach(self._info.handle)
         return self._mapping
+
+    def _fresh_info(self) -> PoolInfo:
+        self.check_epoch()
+        assert self._info is not None
+        return self._info
 
     @property
     def mapped(self) -> bool:
@@ -182,6 +192,16 @@ class Client:
         return mapping
 
     # ---- the request path --------------------------------------------------------------------
+
+    def peek(self, namespace: str, tokens: Any) -> Peek:
+        """The leading run of `tokens`' whole blocks cached in `namespace`, read from the lookup
+        table in shared memory: no call (but a PoolInfo at first and after a restart), nothing
+        pinned, advisory (a Match may find less). Unavailable where there is no table."""
+        return self._peeks.tokens(namespace, tokens)
+
+    def peek_keys(self, namespace: str, keys: Sequence[bytes]) -> Peek:
+        """`peek` of a key path in a key-keyed namespace (as `match_keys`)."""
+        return self._peeks.keys(namespace, keys)
 
     def match(self, namespace: str, tokens: Any, ttl: float = 0.0, store_tokens: int = 0,
               peer_fetch_async: bool = False) -> LeaseMatch:
@@ -375,13 +395,4 @@ class Client:
             call.cancel()
 
     def health(self, service: str = "") -> str:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=service),
-                              timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise to_error(e) from None
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
-
+        return check_health(self._channel, service, self.timeout)

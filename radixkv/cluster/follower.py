@@ -36,11 +36,11 @@ from typing import Any
 
 from radixkv.client import Client
 from radixkv.cluster.index import ClusterIndex
+from radixkv.protocol.block_hashes import chain_hashes
 from radixkv.protocol.errors import InvalidArgument, NotFound, RadixKVError, StalePool, Unavailable
 from radixkv.protocol.limits import HOLE
 from radixkv.protocol.values import NodeView
 from radixkv.rpc.membership import MemberInfo
-from radixkv.service.events import chain_hashes
 
 log = logging.getLogger("radixkv.cluster")
 

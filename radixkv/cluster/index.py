@@ -18,9 +18,9 @@ prefix:
     held (full)       x   x   x   x   x
     window parts      -   x   -   x   x       -> resumable at d = 2 (h0 h1) and 5 (h3 h4): 5
 
-Hashes are the ones events carry (radixkv.service.events.chain_hashes: namespace salt, parent hash,
-the block's tokens), so equal hashes mean equal namespace and prefix (up to 64-bit collisions);
-the index is advisory anyway: the member's own Match decides what is reused.
+Hashes are the ones events carry (radixkv.protocol.block_hashes.chain_hashes: namespace salt,
+parent hash, the block's tokens), so equal hashes mean equal namespace and prefix (up to 64-bit
+collisions); the index is advisory anyway: the member's own Match decides what is reused.
 """
 
 from __future__ import annotations

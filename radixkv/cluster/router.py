@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 from radixkv.cluster.follower import Follower
 from radixkv.cluster.index import ClusterIndex
+from radixkv.protocol.block_hashes import chain_hashes
 from radixkv.protocol.errors import InvalidArgument, RadixKVError, Unavailable
 from radixkv.protocol.tokens import TOKEN_BYTES
 from radixkv.rpc.etcd import NO_SECURITY, Etcd, EtcdSecurity, EtcdTarget
 from radixkv.rpc.membership import MemberInfo
 from radixkv.service.checks import check_namespace
-from radixkv.service.events import chain_hashes
 
 log = logging.getLogger("radixkv.cluster")
 

@@ -182,6 +182,9 @@ class PoolInfo:
     max_batch: int = 0  # most queries / items / ids per call (0: an older server, unknown)
     lease_ttl_s: float = 0.0
     max_lease_ttl_s: float = 0.0
+    table_name: str = ""  # the lookup table's segment ("": none published)
+    table_nbytes: int = 0
+    peer_fetch: bool = False  # a Match may bring blocks from other members
 
     @property
     def epoch(self) -> str:

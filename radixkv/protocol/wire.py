@@ -198,14 +198,16 @@ def layout_from_pb(q: pb.KVLayout) -> KVLayout:
 
 
 def pool_info_pb(h: PoolHandle, max_tokens: int, max_batch: int, lease_ttl_s: float,
-                 max_lease_ttl_s: float) -> pb.PoolInfoResponse:
+                 max_lease_ttl_s: float, table: tuple[str, int] = ("", 0),
+                 peer_fetch: bool = False) -> pb.PoolInfoResponse:
     return pb.PoolInfoResponse(
         layout=layout_pb(h.layout), backend=h.backend, num_blocks=h.num_blocks,
         epoch=h.epoch, shm_name=h.name, nbytes=h.nbytes, ipc_handle=h.ipc_handle,
         device_id=h.device_id, device_uuid=h.device_uuid, strides=h.strides,
         max_tokens=max_tokens, owner_pid=h.owner_pid, max_batch=max_batch,
         lease_ttl_s=lease_ttl_s, max_lease_ttl_s=max_lease_ttl_s,
-        num_sink_blocks=h.num_sink_blocks, num_window_blocks=h.num_window_blocks)
+        num_sink_blocks=h.num_sink_blocks, num_window_blocks=h.num_window_blocks,
+        table_name=table[0], table_nbytes=table[1], peer_fetch=peer_fetch)
 
 
 def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
@@ -217,7 +219,8 @@ def pool_info_from_pb(r: pb.PoolInfoResponse) -> PoolInfo:
         "device_uuid": r.device_uuid, "owner_pid": r.owner_pid,
         "num_sink_blocks": r.num_sink_blocks, "num_window_blocks": r.num_window_blocks,
     })
-    return PoolInfo(layout, handle, r.max_tokens, r.max_batch, r.lease_ttl_s, r.max_lease_ttl_s)
+    return PoolInfo(layout, handle, r.max_tokens, r.max_batch, r.lease_ttl_s, r.max_lease_ttl_s,
+                    r.table_name, r.table_nbytes, r.peer_fetch)
 
 
 def tree_node_pb(n: NodeView) -> pb.TreeNode:

@@ -31,7 +31,9 @@ from radixkv.server.peer_source import PeerSource
 from radixkv.server.peers import PeerCounters
 from radixkv.server.servicer import SERVICE_NAME, Servicer
 from radixkv.service import KVService
+from radixkv.service.table_writer import TableWriter
 from radixkv.service.tier import NoTier
+from radixkv.table import table_format
 from radixkv.v1 import radixkv_pb2, radixkv_pb2_grpc
 
 log = logging.getLogger("radixkv.server.app")
@@ -59,10 +61,16 @@ class RadixKVServer:
                                 sink_fraction=config.sink_fraction,
                                 num_window_blocks=config.num_window_blocks,
                                 window_fraction=config.window_fraction)
+        self.table: TableWriter | None = None
         try:
-            self.service = KVService(self.pool, config.service, tier=self._open_tier())
+            tier = self._open_tier()
+            self.service = KVService(self.pool, config.service, tier=tier)
             self._server = self._build()
+            if config.lookup_table:
+                self._open_table(tier.stats().capacity_blocks if tier is not None else 0)
         except BaseException:
+            if self.table is not None:
+                self.table.close()
             self.pool.close()
             raise
         self._sweeper = threading.Thread(target=self._sweep, name="lease-sweeper", daemon=True)
@@ -98,6 +106,19 @@ class RadixKVServer:
         log.info("disk tier on %s: %d slots of %d bytes, generation %d, %d blocks loaded",
                  cfg.disk_dir, s.capacity_blocks, s.slot_bytes, s.generation, s.loaded_blocks)
         return tier
+
+    def _open_table(self, disk_blocks: int) -> None:
+        """The lookup table, fed by the event log from now on (none for a windowed pool, or
+        where its read protocol does not hold: radixkv/table/table_format.py)."""
+        pool = self.pool
+        if pool.layout.is_windowed or not table_format.supported():
+            log.info("no lookup table: %s", "a windowed pool" if pool.layout.is_windowed
+                     else "not an x86-64 machine")
+            return
+        self.table = TableWriter(pool.num_full_blocks + disk_blocks, pool.layout.block_size,
+                                 pool.epoch)
+        self.service.events.follow(self.table)
+        self.servicer.table = (self.table.segment.name, self.table.segment.nbytes)
 
     def _build(self) -> grpc.Server:
         cfg = self.config
@@ -229,6 +250,9 @@ class RadixKVServer:
         self.service.close_tier(write_down=True)  # a clean stop: the pool's cache goes down
         if self.kv_events is not None:  # after the tier: its write-down's events go out too
             self.kv_events.stop()
+        if self.table is not None:
+            self.service.events.follow(None)
+            self.table.close()
         self.pool.close()
         log.info("radixkv stopped")
 

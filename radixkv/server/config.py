@@ -49,6 +49,7 @@ class ServerConfig:
     disk_capacity_blocks: int | None = None
     disk_capacity_bytes: int | None = None
     disk_promote_blocks: int = 1 << 20
+    lookup_table: bool = True  # publish the lookup table engines read (radixkv/table/)
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
     @classmethod

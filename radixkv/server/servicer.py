@@ -129,6 +129,7 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
         self.peers = self._source.peers
         # serve --peer-fetch: radixkv/cluster/peer_fetch.py's PeerFetcher, asked before a Match
         self.peer_fetch: Any = None
+        self.table: tuple[str, int] = ("", 0)  # the lookup table's segment and size, if any
 
     def close(self) -> None:
         """End open Events streams (at shutdown), so they do not hold up the grace period."""
@@ -139,7 +140,8 @@ class Servicer(radixkv_pb2_grpc.RadixKVServicer):
     def PoolInfo(self, request: pb.PoolInfoRequest, context: Any) -> pb.PoolInfoResponse:
         config = self.service.config
         return pool_info_pb(self.service.pool_handle(), self.max_tokens, MAX_BATCH,
-                            config.lease_ttl_s, config.max_lease_ttl_s)
+                            config.lease_ttl_s, config.max_lease_ttl_s, self.table,
+                            self.peer_fetch is not None)
 
     @rpc
     def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:

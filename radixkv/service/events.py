@@ -9,19 +9,16 @@ a tree snapshot (DumpTree).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-
-import numpy as np
-import numpy.typing as npt
+from typing import Protocol
 
 from radixkv.index.results import BlockRemoved, BlockStored, TreeEvent, WindowStored
+from radixkv.protocol.block_hashes import block_contents, chain_from, namespace_salt
 from radixkv.protocol.errors import InvalidArgument
 from radixkv.protocol.tokens import block_bytes
 
@@ -51,49 +48,10 @@ class Dropped:
     block_hashes: tuple[int, ...]
 
 
-_P = 0x9E3779B97F4A7C15  # the chain's multiplier (odd)
-_MASK = (1 << 64) - 1
+class EventSink(Protocol):
+    """Applies each event as it is made (the lookup table: radixkv.service.table_writer)."""
 
-
-@functools.cache
-def _position_keys(block_size: int) -> npt.NDArray[np.uint64]:
-    """A fixed random odd 64-bit multiplier per position of a block (the same in every
-    process: a seeded generator)."""
-    keys = np.random.default_rng(0x7261646978).integers(0, 1 << 63, block_size, np.uint64)
-    return keys * np.uint64(2) + np.uint64(1)
-
-
-def _salt(namespace: str) -> int:
-    """A namespace's chain start (the hash "before" its first block)."""
-    return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
-
-
-def _contents(tokens: bytes, block_size: int) -> list[int]:
-    """Each whole block's content hash, sum_k token_k * K_k mod 2**64 (K: _position_keys), in
-    one numpy pass over however many blocks."""
-    n = len(tokens) // block_bytes(block_size)
-    rows = np.frombuffer(tokens, "<u4", n * block_size).reshape(n, block_size)
-    return (rows @ _position_keys(block_size)).tolist()  # type: ignore[no-any-return]
-
-
-def _chain(h: int, contents: list[int]) -> list[int]:
-    """h_i = h_(i-1) * P + c_i mod 2**64, from h_0 = h."""
-    out = []
-    for c in contents:
-        h = (h * _P + c) & _MASK
-        out.append(h)
-    return out
-
-
-def chain_hashes(namespace: str, tokens: bytes | memoryview, block_size: int,
-                 parent_hash: int | None = None) -> list[int]:
-    """The chained 64-bit hash of each full block of `tokens` (little-endian uint32 bytes)
-    following the block whose hash is `parent_hash` (None: at the root, the namespace's
-    salt): the same numbers BlockStored events carry, so a router can hash a prompt and look
-    its blocks up. Routing keys, not a digest: a collision costs a routing choice, never a
-    wrong KV block (the tree matches tokens)."""
-    h = _salt(namespace) if parent_hash is None else parent_hash & _MASK
-    return _chain(h, _contents(bytes(tokens), block_size))
+    def apply(self, ev: KVEvent) -> None: ...
 
 
 class EventLog:
@@ -122,6 +80,15 @@ class EventLog:
         # and its salt (so the log keeps no names but those of live namespaces and its buffer)
         self._hash_of: dict[str, dict[int, int]] = {}
         self._salt_of: dict[str, int] = {}
+        self._follower: EventSink | None = None
+
+    def follow(self, follower: EventSink | None) -> None:
+        """Hand every event to `follower` as it is published (hashed at once, not in batches:
+        a follower must never lag the trees), in sequence order, under the log's lock."""
+        with self._cond:
+            self._follower = follower
+            if self._queued:
+                self._hash_queued()
 
     @property
     def last_sequence(self) -> int:
@@ -137,7 +104,8 @@ class EventLog:
             for ev in events:
                 self._last += 1
                 self._queued.append((self._last, namespace, now, ev, key_size, tier))
-            if len(self._queued) >= min(self.HASH_BATCH, self.capacity):
+            if (len(self._queued) >= min(self.HASH_BATCH, self.capacity)
+                    or self._follower is not None):
                 self._hash_queued()
             self._cond.notify_all()
 
@@ -155,6 +123,8 @@ class EventLog:
             for namespace, hashes in by_ns.items():
                 self._last += 1
                 self._queued.append((self._last, namespace, now, Dropped(tuple(hashes)), 0, ""))
+            if self._follower is not None:
+                self._hash_queued()
             self._cond.notify_all()
 
     def publish_cleared(self, namespace: str) -> None:
@@ -162,6 +132,8 @@ class EventLog:
         with self._cond:
             self._last += 1
             self._queued.append((self._last, namespace, time.time(), None, 0, ""))
+            if self._follower is not None:
+                self._hash_queued()
             self._cond.notify_all()
 
     def _hash_queued(self) -> None:
@@ -170,47 +142,52 @@ class EventLog:
         key-keyed block's content hash is its key's, as a key of key_size / 4 uint32s)."""
         queued, self._queued = self._queued, []
         run = block_bytes(self.block_size)
-        contents = _contents(b"".join(ev.tokens[:len(ev.block_ids) * run]
+        contents = block_contents(b"".join(ev.tokens[:len(ev.block_ids) * run]
                                       for *_, ev, ks, _ in queued
                                       if isinstance(ev, BlockStored) and not ks), self.block_size)
         at = 0
         for sequence, namespace, when, ev, key_size, tier in queued:
             if ev is None:
                 self._forget(namespace)
-                self._buffer.append(KVEvent(sequence, namespace, when, "cleared"))
+                self._emit(KVEvent(sequence, namespace, when, "cleared"))
                 continue
             if isinstance(ev, Dropped):
-                self._buffer.append(KVEvent(sequence, namespace, when, "removed",
+                self._emit(KVEvent(sequence, namespace, when, "removed",
                                             block_hashes=ev.block_hashes))
                 continue
             known = self._hash_of.setdefault(namespace, {})
             if isinstance(ev, BlockStored):
                 parent_hash = None if ev.parent_block_id is None else known[ev.parent_block_id]
                 if key_size:
-                    mine = _contents(ev.tokens, key_size // 4)
+                    mine = block_contents(ev.tokens, key_size // 4)
                 else:
                     mine = contents[at:at + len(ev.block_ids)]
                     at += len(ev.block_ids)
                 if parent_hash is None and namespace not in self._salt_of:
-                    self._salt_of[namespace] = _salt(namespace)
+                    self._salt_of[namespace] = namespace_salt(namespace)
                 start = self._salt_of[namespace] if parent_hash is None else parent_hash
-                hashes = _chain(start, mine)
+                hashes = chain_from(start, mine)
                 known.update(zip(ev.block_ids, hashes, strict=True))
-                self._buffer.append(KVEvent(sequence, namespace, when, "stored", ev.block_ids,
+                self._emit(KVEvent(sequence, namespace, when, "stored", ev.block_ids,
                                             ev.parent_block_id, ev.tokens, tuple(hashes),
                                             parent_hash, key_size=key_size))
             elif isinstance(ev, BlockRemoved):
-                self._buffer.append(KVEvent(sequence, namespace, when, "removed", ev.block_ids,
+                self._emit(KVEvent(sequence, namespace, when, "removed", ev.block_ids,
                                             block_hashes=tuple(map(known.pop, ev.block_ids)),
                                             tier=tier))
                 if not known:  # its last block went: so did the namespace (or it will)
                     self._forget(namespace)
             else:  # a window part came or went; the positions (full parts) stay
                 kind = "window_stored" if isinstance(ev, WindowStored) else "window_removed"
-                self._buffer.append(KVEvent(sequence, namespace, when, kind, ev.block_ids,
+                self._emit(KVEvent(sequence, namespace, when, kind, ev.block_ids,
                                             block_hashes=tuple(map(known.__getitem__,
                                                                    ev.block_ids)),
                                             window_ids=ev.window_ids))
+
+    def _emit(self, ev: KVEvent) -> None:
+        self._buffer.append(ev)
+        if self._follower is not None:
+            self._follower.apply(ev)
 
     def _forget(self, namespace: str) -> None:
         self._hash_of.pop(namespace, None)

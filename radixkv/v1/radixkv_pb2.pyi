@@ -51,7 +51,7 @@ class PoolInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolInfoResponse(_message.Message):
-    __slots__ = ("layout", "backend", "num_blocks", "epoch", "shm_name", "nbytes", "ipc_handle", "device_id", "device_uuid", "strides", "max_tokens", "owner_pid", "max_batch", "lease_ttl_s", "max_lease_ttl_s", "num_sink_blocks", "num_window_blocks")
+    __slots__ = ("layout", "backend", "num_blocks", "epoch", "shm_name", "nbytes", "ipc_handle", "device_id", "device_uuid", "strides", "max_tokens", "owner_pid", "max_batch", "lease_ttl_s", "max_lease_ttl_s", "num_sink_blocks", "num_window_blocks", "table_name", "table_nbytes", "peer_fetch")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,9 @@ class PoolInfoResponse(_message.Message):
     MAX_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SINK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_NAME_FIELD_NUMBER: _ClassVar[int]
+    TABLE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     backend: str
     num_blocks: int
@@ -86,7 +89,10 @@ class PoolInfoResponse(_message.Message):
     max_lease_ttl_s: float
     num_sink_blocks: int
     num_window_blocks: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., owner_pid: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., num_sink_blocks: _Optional[int] = ..., num_window_blocks: _Optional[int] = ...) -> None: ...
+    table_name: str
+    table_nbytes: int
+    peer_fetch: bool
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., shm_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., device_uuid: _Optional[str] = ..., strides: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., owner_pid: _Optional[int] = ..., max_batch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., num_sink_blocks: _Optional[int] = ..., num_window_blocks: _Optional[int] = ..., table_name: _Optional[str] = ..., table_nbytes: _Optional[int] = ..., peer_fetch: _Optional[bool] = ...) -> None: ...
 
 class MatchQuery(_message.Message):
     __slots__ = ("namespace", "tokens", "store_tokens", "keys", "key_size")

@@ -11,11 +11,12 @@ from radixkv.cluster.follower import snapshot_hashes
 from radixkv.cluster.index import ClusterIndex
 from radixkv.index.tree import RadixTree
 from radixkv.index.window_tree import WindowedRadixTree
+from radixkv.protocol.block_hashes import chain_hashes
 from radixkv.protocol.errors import InvalidArgument
 from radixkv.protocol.tokens import to_token_bytes
 from radixkv.rpc.etcd import EtcdTarget, prefix_end
 from radixkv.rpc.membership import MemberInfo, check_node_id
-from radixkv.service.events import EventLog, chain_hashes
+from radixkv.service.events import EventLog
 
 BS = 4
 

@@ -13,7 +13,7 @@ from _server import BLOCK_SIZE, running_server, store_many
 from radixkv.client import Client
 from radixkv.cluster.follower import snapshot_hashes
 from radixkv.protocol import errors
-from radixkv.service.events import chain_hashes
+from radixkv.protocol.block_hashes import chain_hashes
 from radixkv.service.inspection import DUMP_SLICE
 
 NS = "chat@rev1"

@@ -79,6 +79,10 @@ def register(sub: Any) -> None:
     g.add_argument("--event-buffer", type=int, default=65536, metavar="N",
                    help="KV events kept for subscribers to resume from (65536); one that falls "
                    "further behind gets `lagged` and rebuilds from DumpTree")
+    g.add_argument("--no-lookup-table", dest="lookup_table", action="store_false",
+                   help="do not publish the lookup table (a shared-memory projection of the "
+                   "cache that engines read prompts' cached prefixes from without a call: "
+                   "docs/architecture.md); engines then ask with a Match")
     g = p.add_argument_group("transport")
     g.add_argument("--socket", default=None, metavar="PATH",
                    help="Unix socket path (default: $RADIXKV_SOCKET, $XDG_RUNTIME_DIR/radixkv.sock"
@@ -207,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
         auth_token=read_token(args.auth_token_file, None),  # None: from_env reads the env var
         cluster=args.cluster, node_id=args.node_id, advertise=args.advertise,
         cluster_ttl_s=args.cluster_ttl, engine_url=args.engine_url,
-        etcd_security=etcd_security_from_args(args), **disk_settings(args))
+        etcd_security=etcd_security_from_args(args), lookup_table=args.lookup_table,
+        **disk_settings(args))
     _check_cluster_flags(args)
     ttl = {} if args.lease_ttl is None else {"lease_ttl_s": args.lease_ttl}  # else the env's
     config = replace(config, service=replace(

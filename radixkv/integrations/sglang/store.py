@@ -14,9 +14,12 @@ hash before it), never by tokens, so pages live in a key-keyed radixkv namespace
 call's pages extend the tree path of their prefix wherever SGLang cut its batches; without it a
 call's keys stand alone (a path from the root).
 
-- `batch_exists`: the leading run of keys cached (Match). Its lease, which pins that run, is
-  held for the `batch_get_v1` of those keys that SGLang sends next (radixkv.integrations.held;
-  `exists_hold_s` in the extra config, 0: released at once).
+- `batch_exists`: the leading run of keys cached, read from radixkv's lookup table in shared
+  memory (radixkv/table/): no call. The `batch_get_v1` that follows pins what it loads with its
+  own Match, so a page evicted in between is simply not loaded. With `"lookup": "match"` in
+  the extra config, where radixkv publishes no table, or where its member fetches from peers
+  and the table lacks part of the run, a Match answers instead and its lease, which pins that
+  run, is held for the get (radixkv.integrations.held; `exists_hold_s`, 0: released at once).
 - `batch_get_v1`: under the exists' lease (else a fresh Match), the cached run's blocks are
   copied from radixkv's mapped pool into SGLang's host pool slots, then the lease is released:
   one Match and one Release per prefetched batch, the Release not waited for where the copy is
@@ -64,9 +67,10 @@ from radixkv.integrations.sglang.ends import LeaseEnds
 from radixkv.integrations.sglang.flat import FlatPages
 from radixkv.integrations.sglang.host_slots import HostSlots
 from radixkv.integrations.sglang.keys import KeyPaths, namespace_name
-from radixkv.protocol.errors import LeaseExpired, NotFound, PermissionDenied
+from radixkv.protocol.errors import LeaseExpired, NotFound, PermissionDenied, Unavailable
 from radixkv.protocol.limits import MIN_LEASE_TTL_S
 from radixkv.protocol.values import LeaseMatch
+from radixkv.table.reader import Peek
 
 log = logging.getLogger("radixkv.integrations.sglang")
 
@@ -88,7 +92,9 @@ class RadixKVStore(FlatPages, HiCacheStorage):  # type: ignore[misc]
                       "set_failed_pages": 0, "unavailable": 0, "get_held_leases": 0,
                       "get_leases_lost": 0, "get_releases_nowait": 0,
                       "get_releases_waited": 0, "release_failures": 0,
-                      "set_insert_failed_pages": 0, "bad_slot_pages": 0}
+                      "set_insert_failed_pages": 0, "bad_slot_pages": 0, "exists_table": 0}
+        self.use_table = str(extra.get("lookup", "table")) != "match"
+        self.peer_fetch = False  # radixkv's member fetches from peers (its PoolInfo says)
         self._default_ttl: dict[str, float] = {}  # pool epoch -> the TTL a Match of 0 gets
         self.keys = KeyPaths()
         self.hold_s = float(extra.get("exists_hold_s", 5.0))  # within radixkv's TTL cap
@@ -135,6 +141,7 @@ class RadixKVStore(FlatPages, HiCacheStorage):  # type: ignore[misc]
                           f"--dtype {dtype} --block-size {page} and this model's config")
         info = client.pool_info()
         self._default_ttl = {info.epoch: info.lease_ttl_s}
+        self.peer_fetch = info.peer_fetch
         if self.hold_s > 0:  # a TTL radixkv grants: within [min(1 s, its default), its cap]
             low = min(MIN_LEASE_TTL_S, info.lease_ttl_s)
             self.held.hold_s = min(max(self.hold_s, low), info.max_lease_ttl_s)
@@ -150,6 +157,9 @@ class RadixKVStore(FlatPages, HiCacheStorage):  # type: ignore[misc]
             return 0
 
         def run(client: Client) -> int:
+            peek = self._peek(client, path)
+            if peek is not None:
+                return max(0, peek.num_blocks - skip)
             ttl = self.held.hold_s
             sent = time.monotonic()
             m = self._match(client, path, ttl=ttl)
@@ -316,6 +326,22 @@ class RadixKVStore(FlatPages, HiCacheStorage):  # type: ignore[misc]
         m = client.match_keys(self.namespace, path, ttl=ttl, store=store)
         self.link.check_answer(client, m.epoch, lambda: client.release(m.lease_id))
         return m
+
+    def _peek(self, client: Client, path: list[bytes]) -> Peek | None:
+        """The table's answer for `path`; None where a Match must answer (no table, `lookup:
+        match`, or a member that may fetch the rest from its peers). A pool epoch new to the
+        link has its layout checked first."""
+        if not self.use_table:
+            return None
+        try:
+            peek = client.peek_keys(self.namespace, path)
+        except Unavailable:
+            return None
+        if self.peer_fetch and peek.num_blocks < len(path):
+            return None
+        self.link.check_answer(client, peek.epoch)
+        self.stats["exists_table"] += 1
+        return peek
 
     def _record(self, what: str, pages: int, seconds: float) -> None:
         if pages and self.pages is not None:

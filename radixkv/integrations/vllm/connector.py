@@ -13,8 +13,11 @@ model's; at start the connector checks and refuses with the `radixkv serve` flag
 
 Extra config: `socket` (default $RADIXKV_SOCKET, else the per-user socket), `namespace`
 (default: model path@revision/dtype; a request's cache_salt and LoRA name are appended),
-`lease_ttl` (seconds, 0: the server's), `timeout` (per call, default 5 s), `retry_s` (how soon
-an unreachable radixkv is tried again, default 1 s), `stats_file` (JSON lines of the
+`lease_ttl` (seconds, 0: the server's), `lookup` ("table", the default: the scheduler reads
+cached prefixes from radixkv's lookup table in shared memory and the worker pins them;
+"match": the scheduler asks with a Match, as where radixkv publishes no table), `timeout`
+(per call, default 5 s), `retry_s` (how soon an unreachable radixkv is tried again, default
+1 s), `stats_file` (JSON lines of the
 connector's own costs), `layerwise` (default true: CPU loads are copied layer by layer beside
 the forward, `loader`), `load_cpus` (the loader thread's CPUs: "auto", the ones the
 engine's thread is not bound to; "engine"; or a list such as "1,3-4"). radixkv absent at start,
@@ -77,24 +80,32 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         is_scheduler = role == KVConnectorRole.SCHEDULER
         self._link = Link(
             extra.get("socket"), f"vllm-{self._kv_transfer_config.engine_id}",
-            check=lambda client: check_layout(client, layout, flags),
+            check=lambda client: self._check(client, layout, flags),
             timeout=float(extra.get("timeout", 5.0)), retry_s=float(extra.get("retry_s", 1.0)),
             what="vLLM scheduler" if is_scheduler else "vLLM worker", logger=log)
-        if self._link.start():  # LayoutMismatch (refusal) propagates: vLLM does not start
-            log.info("radixkv connector (%s) at %s: pool layout fits (%s)",
-                     "scheduler" if is_scheduler else "worker",
-                     extra.get("socket") or "the default socket", flags)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if is_scheduler:
             self._scheduler = SchedulerSide(
                 self._link, base_namespace(vllm_config, extra.get("namespace")),
-                layout.block_size, float(extra.get("lease_ttl", 0.0)), stats)
+                layout.block_size, float(extra.get("lease_ttl", 0.0)), stats,
+                use_table=str(extra.get("lookup", "table")) != "match")
         else:
             self._worker = WorkerSide(self._link, vllm_config, layout.num_kv_heads,
                                       layout.head_dim, layout.block_size, stats,
                                       layerwise=_flag(extra.get("layerwise", True)),
                                       load_cpus=str(extra.get("load_cpus", "auto")))
+        if self._link.start():  # LayoutMismatch (refusal) propagates: vLLM does not start
+            log.info("radixkv connector (%s) at %s: pool layout fits (%s)",
+                     "scheduler" if is_scheduler else "worker",
+                     extra.get("socket") or "the default socket", flags)
+
+    def _check(self, client: Any, layout: Any, flags: str) -> None:
+        """At each contact with a new radixkv pool: its layout fits, and whether its member
+        fetches from peers (then the scheduler asks with a Match where the table misses)."""
+        check_layout(client, layout, flags)
+        if self._scheduler is not None:
+            self._scheduler.peer_fetch = client.pool_info().peer_fetch
 
     # ---- worker side -------------------------------------------------------------------------
 

@@ -1,10 +1,15 @@
 """The scheduler side of the vLLM connector: which prefix radixkv has, and what to store.
 
-- `matched`: Match the request's tokens (whole blocks, the last token always left to compute)
-  in its namespace; the lease pins the cached blocks until the worker has copied them (`Load`).
-- `finished`: at a request's end, Match its computed tokens with allocation (the cached part is
-  pinned, blocks come for the rest) and hand the worker a `Save`: copy the new pages, Insert.
-  vLLM keeps the request's pages until the worker reports the save done (delayed free), so a
+- `matched`: read the request's cached prefix (whole blocks, the last token always left to
+  compute) from radixkv's lookup table in shared memory (radixkv/table/): no call on vLLM's
+  scheduler thread. The worker pins it with a Match before it copies (`Load` with lease 0); a
+  block evicted in between is a failed load there, which vLLM recomputes. Where radixkv
+  publishes no table, or where a member fetches from peers (`--peer-fetch`: a prompt the table
+  lacks may be on another member), a Match here pins it instead, and answers None ("ask again
+  next step") while the member fetches.
+- `finished`: at a request's end, if the table lacks some of its computed whole blocks, hand
+  the worker a `Save`: it Matches with allocation, copies the new pages, Inserts. vLLM keeps
+  the request's pages until the worker reports the save done (delayed free), so a
   conversation's next turn finds its prompt and answer.
 
 radixkv down, restarting or refusing is a miss (`link.Down`), never an error.
@@ -23,17 +28,21 @@ from radixkv.client import STORE_ALL, Client
 from radixkv.integrations.link import Down, LayoutMismatch, Link, check_pool_layout
 from radixkv.integrations.vllm.messages import Load, Save
 from radixkv.integrations.vllm.stats import Stats
+from radixkv.protocol.errors import Unavailable
 from radixkv.protocol.values import LeaseMatch
+from radixkv.table.reader import Peek
 
 DTYPES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
 
 @dataclass(frozen=True, slots=True)
 class Pending:
-    lease_id: int
+    lease_id: int  # 0: read from the lookup table, nothing pinned yet (the worker pins)
     epoch: str
     blocks: tuple[int, ...]
     first_block: int  # blocks before this one vLLM has locally
+    namespace: str = ""
+    tokens: tuple[int, ...] = ()  # lease 0: the cached prefix, for the worker's Match
 
 
 def engine_layout(vllm_config: Any) -> KVLayout:
@@ -102,7 +111,7 @@ ASK_AGAIN_S = 5.0  # the longest a request waits for a member's peer fetch befor
 
 class SchedulerSide:
     def __init__(self, link: Link, namespace: str, block_size: int, lease_ttl: float,
-                 stats: Stats) -> None:
+                 stats: Stats, use_table: bool = True) -> None:
         self.link = link
         self.namespace = namespace
         self.block_size = block_size
@@ -112,6 +121,8 @@ class SchedulerSide:
         self._loads: list[Load] = []
         self._saves: list[Save] = []
         self._asking: dict[str, float] = {}  # request id -> when its first Match was asked
+        self.peer_fetch = False  # radixkv's member fetches from peers: misses ask with a Match
+        self.use_table = use_table  # False: every lookup is a Match (`lookup: match`)
 
     def _release(self, lease_id: int) -> None:
         try:
@@ -131,11 +142,11 @@ class SchedulerSide:
 
     def matched(self, request: Any, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` that radixkv holds for this request (whole blocks,
-        never the last token); the lease stays pending until `after_alloc`. None ("ask again
-        next step": vLLM schedules others meanwhile) while the member fetches the prompt's
-        blocks from a peer, for at most ASK_AGAIN_S per request."""
+        never the last token); pending until `after_alloc`. None ("ask again next step": vLLM
+        schedules others meanwhile) while the member fetches the prompt's blocks from a peer,
+        for at most ASK_AGAIN_S per request."""
         old = self._pending.pop(request.request_id, None)
-        if old is not None:
+        if old is not None and old.lease_id:
             self._release(old.lease_id)
         b = self.block_size
         tokens = request.all_token_ids
@@ -143,8 +154,43 @@ class SchedulerSide:
         if limit <= num_computed:
             return 0
         ns = request_namespace(self.namespace, request)
-        query = list(tokens[:limit])
+        query = tokens[:limit]
         t0 = time.perf_counter()
+        peek = self._peek(ns, query)
+        if peek is not None and (peek.num_tokens == limit or not self.peer_fetch):
+            self._asking.pop(request.request_id, None)
+            self.stats.record(side="scheduler", op="peek", req=request.request_id,
+                              s=time.perf_counter() - t0, tokens=limit, hit=peek.num_tokens)
+            if peek.num_tokens <= num_computed:
+                return 0
+            self._pending[request.request_id] = Pending(
+                0, "", (), num_computed // b, ns, tuple(query[:peek.num_tokens]))
+            return peek.num_tokens - num_computed
+        return self._matched_by_call(request, ns, list(query), num_computed, t0)
+
+    def _peek(self, ns: str, tokens: Sequence[int]) -> Peek | None:
+        """The table's answer, or None where there is none to read (ask with a Match). A pool
+        epoch new to the link has its layout checked first (one call, then none)."""
+        if not self.use_table:
+            return None
+
+        def run(c: Client) -> Peek | None:
+            try:
+                peek = c.peek(ns, tokens)
+            except Unavailable:  # no table published, or radixkv gone (the Match says which)
+                return None
+            self.link.check_answer(c, peek.epoch)
+            return peek
+
+        try:
+            return self.link.call(run)
+        except Down:
+            return None
+
+    def _matched_by_call(self, request: Any, ns: str, query: list[int], num_computed: int,
+                         t0: float) -> int | None:
+        """`matched` through a Match, which pins (and may start a member's peer fetch)."""
+        b, limit = self.block_size, len(query)
         asked = self._asking.setdefault(request.request_id, t0)
         try:
             m = self._match(ns, query, peer_async=True)
@@ -172,12 +218,17 @@ class SchedulerSide:
             return
         n = num_external // self.block_size
         if n <= 0:
-            self._release(pending.lease_id)
+            if pending.lease_id:
+                self._release(pending.lease_id)
             return
         first = pending.first_block
+        pages = tuple(block_ids[first:first + n])
+        if not pending.lease_id:  # the worker pins it
+            self._loads.append(Load(request.request_id, 0, "", (), pages, pending.namespace,
+                                    pending.tokens[:(first + n) * self.block_size], first))
+            return
         self._loads.append(Load(request.request_id, pending.lease_id, pending.epoch,
-                                tuple(pending.blocks[first:first + n]),
-                                tuple(block_ids[first:first + n])))
+                                tuple(pending.blocks[first:first + n]), pages))
 
     def take(self) -> tuple[list[Load], list[Save]]:
         """This step's loads and saves (the state resets)."""
@@ -190,7 +241,7 @@ class SchedulerSide:
         save is planned (vLLM then keeps the pages until the worker reports it done)."""
         self._asking.pop(request.request_id, None)
         pending = self._pending.pop(request.request_id, None)
-        if pending is not None:
+        if pending is not None and pending.lease_id:
             self._release(pending.lease_id)
         if "ERROR" in str(getattr(request, "status", "")):
             return False  # e.g. a failed load: its KV is not to be trusted
@@ -203,6 +254,17 @@ class SchedulerSide:
         ns = request_namespace(self.namespace, request)
         store = [int(t) for t in tokens[:n_full * b]]
         t0 = time.perf_counter()
+        peek = self._peek(ns, store)
+        if peek is not None:  # the worker Matches with allocation, copies and Inserts
+            missing = n_full - peek.num_blocks
+            self.stats.record(side="scheduler", op="store_peek", req=request.request_id,
+                              s=time.perf_counter() - t0, cached_blocks=peek.num_blocks,
+                              new_blocks=missing)
+            if missing <= 0:
+                return False
+            self._saves.append(Save(request.request_id, 0, "", ns, tuple(store), (), (),
+                                    tuple(block_ids[:n_full])))
+            return True
         try:
             m = self._match(ns, store, STORE_ALL)
         except Down:

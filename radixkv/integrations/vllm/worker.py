@@ -1,5 +1,9 @@
 """The worker side of the vLLM connector: copies between vLLM's paged KV and radixkv's pool.
 
+Loads the scheduler read from radixkv's lookup table come unpinned: one Match for the step's
+loads pins them first (`pin`), before the forward, off vLLM's scheduler thread; a block evicted
+since the scheduler's read is a failed load (recomputed).
+
 Loads start before the step's forward (`start_loads`, from `start_load_kv`): on CPU pages they
 are copied layer by layer on a thread of their own (`loader`), each layer's attention
 waiting for its own layer only (`wait_layer`); on GPU pages (or with `layerwise` off) they are
@@ -24,14 +28,15 @@ from typing import Any
 
 import torch
 
-from radixkv.client import Client
+from radixkv.client import STORE_ALL, Client
 from radixkv.integrations import pages_kernel
 from radixkv.integrations.layout import FlashPages, LayoutError, Pages, ProbedPages, check_layers
-from radixkv.integrations.link import Down, Link
+from radixkv.integrations.link import Down, LayoutMismatch, Link
 from radixkv.integrations.vllm.loader import LayerLoader, release_after_copy
 from radixkv.integrations.vllm.messages import Load, Save
 from radixkv.integrations.vllm.stats import Stats
 from radixkv.protocol.errors import InvalidArgument, LeaseExpired, NotFound, StalePool
+from radixkv.protocol.values import LeaseMatch
 
 _LAYER = re.compile(r"\.(\d+)\.")
 # A store renews its lease for this long before it writes into the lease's blocks: were the lease
@@ -99,9 +104,51 @@ class WorkerSide:
         if self.layers and self.layers[0].is_cuda:
             torch.cuda.current_stream(self.layers[0].device).synchronize()
 
+    def pin(self, loads: Sequence[Load]) -> list[Load]:
+        """The step's loads with their blocks pinned: those the scheduler read from the lookup
+        table (lease 0) get one Match for all of them; where it finds fewer blocks than the
+        table did (evicted since), the pages past them are failed loads (vLLM recomputes)."""
+        table = [ld for ld in loads if not ld.lease_id]
+        if not table:
+            return list(loads)
+        t0 = time.perf_counter()
+
+        def run(client: Client) -> list[LeaseMatch]:
+            found = client.match_many([(ld.namespace, ld.tokens) for ld in table])
+            for m in found:
+                self.link.check_answer(client, m.epoch)
+            return found
+
+        try:
+            found = self.link.call(run)
+        except (Down, LayoutMismatch):
+            found = []
+        pinned = [ld for ld in loads if ld.lease_id]
+        for i, ld in enumerate(table):
+            m = found[i] if found else None
+            blocks = m.block_ids[ld.first_block:ld.first_block + len(ld.pages)] if m else ()
+            if len(blocks) < len(ld.pages):
+                self._failed(Load(ld.req_id, 0, "", (), ld.pages[len(blocks):]), 0.0, {})
+            if blocks and m is not None:
+                pinned.append(Load(ld.req_id, m.lease_id, m.epoch, blocks,
+                                   ld.pages[:len(blocks)]))
+            elif m is not None:
+                self._release(m.lease_id)
+            self.stats.record(side="worker", op="pin", req=ld.req_id,
+                              s=(time.perf_counter() - t0) / len(table), blocks=len(blocks),
+                              planned=len(ld.pages))
+        return pinned
+
+    def _release(self, lease_id: int) -> None:
+        try:
+            self.link.call(lambda c: c.release(lease_id))
+        except Down:
+            pass  # its TTL ends it
+
     def start_loads(self, loads: Sequence[Load]) -> None:
         """Start the step's loads: layer by layer beside the forward where there is a loader,
         else whole, now."""
+        loads = self.pin(loads)
         if self.loader is None:
             self.load(loads)
             return
@@ -185,6 +232,10 @@ class WorkerSide:
             t0 = time.perf_counter()
 
             def run(client: Client, sv: Save = sv) -> bool:
+                if not sv.lease_id:
+                    sv = self._allocated(client, sv)
+                    if not sv.new_blocks:
+                        return True  # all cached already (by another engine meanwhile)
                 mapping = self.link.checked_pool(client, sv.epoch)
                 try:  # ours for COPY_TTL_S more (the server's cap permitting): safe to write
                     try:
@@ -215,6 +266,19 @@ class WorkerSide:
             self.sent.add(sv.req_id)
             self.stats.record(side="worker", op="save", req=sv.req_id, ok=ok,
                               blocks=len(sv.new_blocks), s=time.perf_counter() - t0)
+
+    def _allocated(self, client: Client, sv: Save) -> Save:
+        """A save the scheduler planned from the lookup table: Match its tokens with
+        allocation here; the cached blocks are pinned, new ones come for the rest."""
+        m = client.match(sv.namespace, sv.tokens, store_tokens=STORE_ALL)
+        self.link.check_answer(client, m.epoch, lambda: client.release(m.lease_id))
+        k, new = len(m.block_ids), m.new_block_ids
+        if not new:
+            client.release(m.lease_id)
+            return sv
+        end = (k + len(new)) * self.block_size
+        return Save(sv.req_id, m.lease_id, m.epoch, sv.namespace, sv.tokens[:end],
+                    m.block_ids + new, new, sv.pages[k:k + len(new)])
 
     def take_sent(self) -> set[str]:
         sent, self.sent = self.sent, set()

@@ -76,13 +76,43 @@ def matches(server: Any) -> int:
         return int(n["requests"])
 
 
+def test_exists_reads_the_table_and_the_get_pins(workers: dict[str, Worker]) -> None:
+    """batch_exists answers from radixkv's lookup table (no Match: the service counts none),
+    the get that follows matches, pins and loads A's bytes; a page evicted between the exists
+    and the get is not loaded (False), never another page's bytes."""
+    a, b = workers["A"], workers["B"]
+    with running_server(num_blocks=32) as server:
+        a("open", name="table", socket=server.socket)
+        namespace = b("open", name="table", socket=server.socket)["namespace"]
+        seq = tokens(5000, 6)
+        wrote = a("write", name="table", tokens=seq, seed=4)
+        keys = a("keys", name="table", tokens=seq)["keys"]
+        before = matches(server)
+        assert b("exists", name="table", keys=keys[2:], prefix=keys[:2])["exists"] == 4
+        assert matches(server) == before  # read from the table
+        got = b("get", name="table", keys=keys[2:5], prefix=keys[:2])
+        assert got["done"] == [True] * 3 and got["pages"] == wrote["pages"][2:5]
+        assert matches(server) == before + 1  # the get's own Match
+        assert b("exists", name="table", keys=keys)["exists"] == 6
+        with Client(server.socket) as kv:  # evicted before the get
+            leases_back_to(server.socket, 0)
+            kv.clear(namespace)
+        got = b("get", name="table", keys=keys)
+        assert got["done"] == [False] * 6 and got["pages"] == []
+        stats = b("stats", name="table")["stats"]
+        assert stats["exists_table"] == 2 and stats["get_held_leases"] == 0
+        s = leases_back_to(server.socket, 0)
+        assert s["integrity"] == "ok" and s["expired_leases"] == 0
+    no_errors(a, b)
+
+
 def test_a_prefetch_gets_under_the_lease_of_its_exists(workers: dict[str, Worker]) -> None:
-    """SGLang's batch_exists then batch_get_v1 of (a leading part of) the same keys: one Match
-    for both, A's bytes, and the lease released once, by the get."""
+    """With `lookup: match`, SGLang's batch_exists then batch_get_v1 of (a leading part of) the
+    same keys: one Match for both, A's bytes, and the lease released once, by the get."""
     a, b = workers["A"], workers["B"]
     with running_server(num_blocks=32) as server:
         a("open", name="held", socket=server.socket)
-        b("open", name="held", socket=server.socket)
+        b("open", name="held", socket=server.socket, extra={"lookup": "match"})
         seq = tokens(6000, 6)
         wrote = a("write", name="held", tokens=seq, seed=4)
         keys = a("keys", name="held", tokens=seq)["keys"]
@@ -107,7 +137,8 @@ def test_a_get_of_other_keys_matches_afresh(workers: dict[str, Worker]) -> None:
     with running_server(num_blocks=32) as server:
         a("open", name="other", socket=server.socket)
         # 0.2 s is below radixkv's shortest TTL (1 s): the backend asks for 1 s
-        b("open", name="other", socket=server.socket, extra={"exists_hold_s": 0.2})
+        b("open", name="other", socket=server.socket,
+          extra={"exists_hold_s": 0.2, "lookup": "match"})
         one, two = tokens(7000, 3), tokens(8000, 3)
         a("write", name="other", tokens=one, seed=1)
         wrote = a("write", name="other", tokens=two, seed=2)

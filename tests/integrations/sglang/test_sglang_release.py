@@ -70,7 +70,8 @@ def test_a_copy_past_the_lease_ttl_loads_nothing(workers: dict[str, Worker]) -> 
     # a pool of 3 blocks; a 2 s default TTL: the sweeper runs every 0.5 s
     with running_server(num_blocks=3, lease_ttl=2.0) as server:
         a("open", name="late", socket=server.socket)
-        b("open", name="late", socket=server.socket, extra={"exists_hold_s": 1.0})
+        b("open", name="late", socket=server.socket,
+          extra={"exists_hold_s": 1.0, "lookup": "match"})
         one, two = tokens(41_000, 3), tokens(42_000, 3)
         a("write", name="late", tokens=one, seed=1)
         keys = a("keys", name="late", tokens=one)["keys"]
