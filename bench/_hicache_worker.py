@@ -81,7 +81,8 @@ def main() -> None:
     if backend == "radixkv":
         extra = {"backend_name": "radixkv", "module_path": "radixkv.integrations.sglang",
                  "class_name": "RadixKVStore", "interface_v1": 1, "socket": socket,
-                 "hicache_storage_pass_prefix_keys": True}
+                 "hicache_storage_pass_prefix_keys": True,
+                 "lookup": os.environ.get("RADIXKV_BENCH_LOOKUP", "table")}
         name = "dynamic"
     cc = h.controller(g, layout, name, extra)
     host = cc.mem_pool_host

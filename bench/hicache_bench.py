@@ -14,12 +14,14 @@ same geometry. Each page size is a model geometry (layers, kv heads, head_dim, f
 Rows: op (set/get), page_bytes, radixkv_pages_per_s, file_backend_pages_per_s,
 memcpy_pages_per_s, vs_file_backend and vs_memcpy (radixkv's pages/s over theirs), and GB/s.
 
-radixkv runs twice. Cold (the radixkv_pages_per_s, vs_* columns): a pool with room for every
-batch, so each timed batch is written into pool memory no process has touched yet, and pays
-its first-touch page faults. Warm (radixkv_warm_pages_per_s, vs_*_warm): a pool of two
+radixkv runs three times. Cold (the radixkv_pages_per_s, vs_* columns): a pool with room for
+every batch, so each timed batch is written into pool memory no process has touched yet, and
+pays its first-touch page faults. Warm (radixkv_warm_pages_per_s, vs_*_warm): a pool of two
 batches, so each timed batch after the first reuses evicted blocks, as a full cache does. The
-memcpy copies between two tensors of the batch's size with torch's default threads (as
-radixkv's copies run), its destination already written in the warm-up: it compares
+third run, cold again with `lookup: match` (radixkv_match_pages_per_s; table_vs_match is the
+cold run's pages/s over it), asks batch_exists with a Match as the backend did before radixkv's
+lookup table. The memcpy copies between two tensors of the batch's size with torch's default
+threads (as radixkv's copies run), its destination already written in the warm-up: it compares
 like-for-like with the warm figure.
 
 The ceiling (ceiling_pages_per_s, ceiling_vs_file_backend, ceiling_vs_memcpy; vs_ceiling and
@@ -81,13 +83,19 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
         # cold: room for every batch, so each one is written into pool memory never touched
         # before (first-touch page faults); warm: room for two batches, so from the third on
         # a batch reuses the blocks of the one before last (evicted), as in a full cache
-        for name, blocks in (("cold", batch * (rounds + 1) + 8), ("warm", 2 * batch)):
+        # (and cold again with `lookup: match`: batch_exists through a Match, as before the
+        # lookup table)
+        for name, blocks, lookup in (("cold", batch * (rounds + 1) + 8, "table"),
+                                     ("warm", 2 * batch, "table"),
+                                     ("match", batch * (rounds + 1) + 8, "match")):
             with radixkv_server(d, "--model-config", config, "--dtype", "fp16",
                                 "--block-size", str(PAGE), "--num-blocks",
                                 str(blocks)) as socket:
+                env = {"RADIXKV_BENCH_LOOKUP": lookup}
                 runs[name] = run_worker("radixkv", geometry, batch, rounds, socket,
-                                        {"RADIXKV_BENCH_PROFILE": "1"} if profile else {})
-        rkv, warm = runs["cold"], runs["warm"]
+                                        {"RADIXKV_BENCH_PROFILE": "1", **env} if profile
+                                        else env)
+        rkv, warm, match = runs["cold"], runs["warm"], runs["match"]
         files = Path(d) / "files"
         files.mkdir()
         fb = run_worker("file", geometry, batch, rounds, None,
@@ -100,6 +108,7 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
     for op in ("set", "get"):
         mine = batch / statistics.median(rkv[f"{op}_s"])
         mine_warm = batch / statistics.median(warm[f"{op}_s"][1:])  # from the third batch
+        by_match = batch / statistics.median(match[f"{op}_s"])
         theirs = batch / statistics.median(fb[f"{op}_s"])
         ceiling = batch / statistics.median(top[f"{op}_s"])
         bare = batch / statistics.median(floor[f"{op}_s"])
@@ -110,6 +119,8 @@ def measure(layers: int, heads: int, dim: int, batch: int, rounds: int,
                      "vs_file_backend": round(mine / theirs, 2),
                      "vs_memcpy": round(mine / memcpy, 3),
                      "radixkv_warm_pages_per_s": round(mine_warm, 1),
+                     "radixkv_match_pages_per_s": round(by_match, 1),
+                     "table_vs_match": round(mine / by_match, 2),
                      "vs_file_backend_warm": round(mine_warm / theirs, 2),
                      "vs_memcpy_warm": round(mine_warm / memcpy, 3),
                      "ceiling_pages_per_s": round(ceiling, 1),

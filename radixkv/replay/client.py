@@ -3,6 +3,8 @@
 
 Per request (a job from the shared queue, in trace order):
 
+    (verified runs: peek(ns, tokens), the lookup table's answer, as an engine's fast path
+     reads it; the report counts the blocks it gave that the Match then did not find)
     Match(ns, tokens)            -> lease pins the cached prefix; its blocks are read back
                                     through the pool mapping and checked (verification)
     Allocate(lease, rest)        -> new blocks; on OutOfBlocks, as many as are free or
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.protocol.errors import InvalidArgument, OutOfBlocks
+from radixkv.protocol.errors import InvalidArgument, OutOfBlocks, RadixKVError
 from radixkv.protocol.limits import HOLE
 from radixkv.protocol.tokens import block_bytes, num_tokens
 
@@ -174,11 +176,26 @@ def _allocate(kv: Any, lease_id: int, want: int) -> tuple[int, ...]:
 
 @dataclass
 class Verification:
-    """Hit blocks checked against their keys, across the requests of one client."""
+    """Hit blocks checked against their keys, across the requests of one client; and the
+    lookup table's answers against the Matches (`peek`: while the table can be read here)."""
 
     verified: int = 0
     mismatches: int = 0
     examples: list[str] = field(default_factory=list)
+    peek: bool = True
+
+
+def _peek(kv: Any, check: Verification, namespace: str, tokens: bytes) -> int:
+    """The blocks of `tokens` the service's lookup table holds, read as an engine's fast path
+    reads them before it pins (the Match); 0, and no more reads, where this process cannot
+    read the table (none published, a service on another host)."""
+    if not check.peek:
+        return 0
+    try:
+        return int(kv.peek(namespace, tokens).num_blocks)
+    except RadixKVError:
+        check.peek = False
+        return 0
 
 
 def request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verification,
@@ -187,14 +204,13 @@ def request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verifi
     """One request against one service, as an engine drives it; returns its record. The
     verification counts are added only once the request completed (a retried request
     counts once)."""
-    bb = block_bytes(args.block_size)
-    clock = time.perf_counter_ns
+    bb, clock = block_bytes(args.block_size), time.perf_counter_ns
     verified = mismatches = 0
     examples: list[str] = []
-    alloc_ns = insert_ns = -1
+    alloc_ns = insert_ns = match_ns = release_ns = -1
     new: tuple[int, ...] = ()
     hit = need = 0
-    match_ns = release_ns = -1
+    peeked = _peek(kv, check, namespace, tokens) if args.verify and tokens else 0
     if tokens:
         two = args.round_trips == 2
         t = clock()
@@ -249,5 +265,6 @@ def request(args: ClientArgs, kv: Any, pool: BlockBytes | None, *, check: Verifi
     check.mismatches += mismatches
     check.examples.extend(examples[: max(0, 5 - len(check.examples))])
     return {"hit_tokens": hit, "match_ns": match_ns, "allocate_ns": alloc_ns,
-            "insert_ns": insert_ns, "release_ns": release_ns, "dropped": need - len(new)}
+            "insert_ns": insert_ns, "release_ns": release_ns, "dropped": need - len(new),
+            "peek_blocks": peeked}
 

@@ -116,6 +116,9 @@ class ReplayReport:
     conversations: int = 0  # with conversations counted: chains of prompts in the trace
     conversations_held: int = 0  # ... whose last prompt is cached whole at the end
     disk: DiskFigures | None = None  # the service's disk tier, if it has one
+    # with peek: blocks the lookup table gave, and of them those the Match then did not find
+    peeked_blocks: int = 0
+    pin_missed_blocks: int = 0
 
     # prefill saved: every hit token is one the engine does not recompute
     @property
@@ -251,8 +254,7 @@ def build_report(run: RunConfig, trace: TraceLog, outs: list[dict[str, Any]], wa
     return ReplayReport(
         trace=run.trace, target=run.target, policy=run.policy, block_size=block_size,
         capacity_blocks=capacity, clients=run.clients, speed=run.speed, verify=run.verify,
-        round_trips=run.round_trips,
-        num_requests=n, prompt_tokens=prompt_tokens,
+        round_trips=run.round_trips, num_requests=n, prompt_tokens=prompt_tokens,
         cacheable_tokens=opt.num_blocks * block_size,
         hit_tokens=int(hits.sum()), token_hit_rate=rate_of(int(hits.sum())),
         optimum_hit_tokens=int(opt_hits.sum()), optimum_token_hit_rate=rate_of(
@@ -266,17 +268,34 @@ def build_report(run: RunConfig, trace: TraceLog, outs: list[dict[str, Any]], wa
         evicted_blocks=int(after["evicted_blocks"] - before["evicted_blocks"]),
         optimum_evicted_blocks=opt.num_evicted_blocks,
         dropped_blocks=int(col["dropped"].sum()), peak_cached_blocks=peak,
+        peeked_blocks=int(col["peek_blocks"].sum()),
+        pin_missed_blocks=pin_misses(col["peek_blocks"], hits // block_size),
         verified_blocks=sum(o["verified"] for o in outs),
         mismatches=sum(o["mismatches"] for o in outs),
         mismatch_examples=tuple(e for o in outs for e in o["examples"])[:5],
         integrity=str(after.get("integrity", "")), prefill_tokens_per_s=run.prefill_tokens_per_s,
         windows=make_windows(prompt, (hits, opt_hits, ceil_hits), trace.timestamps_ms,
                              run.num_windows),
-        notes=tuple(notes),
-        match_samples_us=tuple(us("match_ns").tolist()),
+        notes=tuple(notes), match_samples_us=tuple(us("match_ns").tolist()),
         insert_samples_us=tuple(us("insert_ns").tolist()),
         per_request_hit_tokens=tuple(hits.tolist()),
     )
+
+
+def pin_misses(peeked: np.ndarray[Any, Any], hit_blocks: np.ndarray[Any, Any]) -> int:
+    """Of the blocks the lookup table gave before each Match, those the Match then did not
+    find (evicted in between: a pin miss)."""
+    return int(np.maximum(peeked - hit_blocks, 0).sum())
+
+
+def _tier_rows(head: Any, r: ReplayReport) -> None:
+    """The disk tier's row and the lookup table's, where the run had them."""
+    if r.disk is not None:
+        head.add_row("tiers", r.disk.line(r.hit_tokens, r.prompt_tokens))
+    if r.peeked_blocks:
+        head.add_row("lookup table", f"{r.peeked_blocks:,} blocks read before the Matches, "
+                     f"{r.pin_missed_blocks:,} of them gone by the Match "
+                     f"({100 * r.pin_missed_blocks / r.peeked_blocks:.3f} %)")
 
 
 def render_report(report: ReplayReport) -> Any:
@@ -304,8 +323,7 @@ def render_report(report: ReplayReport) -> Any:
     if r.conversations:
         head.add_row("conversations", f"{r.conversations_held:,} of {r.conversations:,} held "
                      "whole at the end (their last prompt resumable)")
-    if r.disk is not None:
-        head.add_row("tiers", r.disk.line(r.hit_tokens, r.prompt_tokens))
+    _tier_rows(head, r)
     verdict = ("[green]0 mismatches[/]" if not r.mismatches else
                f"[bold red]{r.mismatches:,} MISMATCHES[/]")
     head.add_row("verification", f"{r.verified_blocks:,} hit blocks checked: {verdict}"

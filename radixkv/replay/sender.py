@@ -39,7 +39,7 @@ def client_loop(args: ClientArgs, members: Any, jobs: Any, done: Any,
                  t0: float) -> dict[str, Any]:
     cols: dict[str, list[int]] = {k: [] for k in (
         "index", "hit_tokens", "match_ns", "allocate_ns", "insert_ns", "release_ns",
-        "dropped", "route_ns", "node")}
+        "dropped", "peek_blocks", "route_ns", "node")}
     check = Verification()
     while (job := jobs.get()) is not None:
         index, namespace, tokens, due_ms, key_bytes, hint = job

@@ -127,6 +127,23 @@ def test_several_clients_verify() -> None:
     render_report(r)  # renders without error
 
 
+@needs_traces
+def test_verified_replays_count_the_lookup_tables_pin_misses() -> None:
+    """A verified replay reads the lookup table before each Match: with one client the Match
+    finds every block the table gave (nothing evicts in between: 0 pin misses, the same hits
+    as without the reads); with three clients evicting meanwhile, few; no wrong bytes."""
+    requests = load_trace(TRACES / "conversation_trace.jsonl", 250)
+    one = run_replay(requests, block_size=512, capacity_blocks=256, clients=1)
+    plain = run_replay(requests, block_size=512, capacity_blocks=256, clients=1, verify=False)
+    assert one.peeked_blocks == one.hit_tokens // 512 > 0 and one.pin_missed_blocks == 0
+    assert one.per_request_hit_tokens == plain.per_request_hit_tokens
+    assert plain.peeked_blocks == 0
+    many = run_replay(requests, block_size=512, capacity_blocks=256, clients=3)
+    assert many.peeked_blocks > 0 and many.mismatches == 0 and many.integrity == "ok"
+    assert many.pin_missed_blocks <= many.peeked_blocks // 10
+    render_report(many)
+
+
 def test_against_running_server() -> None:
     requests = generate_synthetic(150, seed=3)
     with running_server(num_blocks=1024) as srv:

@@ -82,11 +82,18 @@ class Worker:
         return {"namespace": getattr(store, "namespace", None)}
 
     def write(self, name: str, tokens: list[int], seed: int = 0,
-              prefix: bool = True) -> dict[str, Any]:
+              prefix: bool = True, settle: bool = True) -> dict[str, Any]:
+        """SGLang's backup of `tokens`' pages; with `settle`, once the backend's Inserts (sent
+        after its answers) are answered too, so that another backend's lookup, which reads
+        radixkv's table in microseconds, finds what this one wrote (a backup answers before
+        radixkv has processed its Insert)."""
         cc = self.cc[name]
         slots = cc.mem_pool_host.alloc(len(tokens))
         h.fill(cc, slots, seed)
         stored = h.write(cc, slots, tokens, [] if prefix else None)
+        releaser = getattr(cc.storage_backend, "releaser", None)
+        if settle and releaser is not None:
+            releaser.wait_inserts()
         out = {"stored": stored, "pages": digests(cc, slots)}
         cc.mem_pool_host.free(slots)
         return out

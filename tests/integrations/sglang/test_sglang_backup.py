@@ -46,7 +46,7 @@ def _write_stopped_after_match(a: Worker, server: Any, seq: list[int], seed: int
     answer: dict[str, Any] = {}
     a("slow_copy", seconds=1.0, to_pool=True)
     writer = threading.Thread(target=lambda: answer.update(a("write", name=name, tokens=seq,
-                                                             seed=seed)))
+                                                             seed=seed, settle=False)))
     writer.start()
     try:
         with Client(server.socket) as kv:
@@ -161,13 +161,13 @@ def test_reads_after_a_write_see_it(workers: dict[str, Worker]) -> None:
             a("slow_insert", seconds=2.0)
             try:
                 start = time.monotonic()
-                wrote = a("write", name="ryw", tokens=seq, seed=8)
+                wrote = a("write", name="ryw", tokens=seq, seed=8, settle=False)
                 assert wrote["stored"] == len(seq) and time.monotonic() - start < 2.0
                 assert b("prefetch", name="ryw", tokens=seq)["loaded"] == 0
                 got = a("prefetch", name="ryw", tokens=seq)
                 assert got["loaded"] == len(seq) and got["pages"] == wrote["pages"]
                 long = tokens(54_000, 130)
-                wrote = a("write", name="ryw", tokens=long, seed=9)
+                wrote = a("write", name="ryw", tokens=long, seed=9, settle=False)
                 assert wrote["stored"] == len(long)
             finally:
                 a("slow_insert", seconds=0)

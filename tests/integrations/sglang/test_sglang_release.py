@@ -26,9 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def test_a_get_answers_before_radixkv_processes_its_release(
         workers: dict[str, Worker]) -> None:
-    """radixkv is stopped (SIGSTOP) between batch_exists and batch_get_v1: the get copies
-    under the exists' lease and answers True with A's bytes at once, its Release still on its
-    way; once radixkv runs again that Release ends the lease (not its TTL), exactly once."""
+    """(`lookup: match`: the exists pins.) radixkv is stopped (SIGSTOP) between batch_exists
+    and batch_get_v1: the get copies under the exists' lease and answers True with A's bytes at
+    once, its Release still on its way; once radixkv runs again that Release ends the lease
+    (not its TTL), exactly once."""
     a, b = workers["A"], workers["B"]
     with tempfile.TemporaryDirectory(prefix="rkv-") as d:
         sock = os.path.join(d, "s.sock")
@@ -36,7 +37,7 @@ def test_a_get_answers_before_radixkv_processes_its_release(
                               "4", "--num-blocks", "32")
         try:
             a("open", name="nowait", socket=sock)
-            b("open", name="nowait", socket=sock)
+            b("open", name="nowait", socket=sock, extra={"lookup": "match"})
             seq = tokens(40_000, 4)
             wrote = a("write", name="nowait", tokens=seq, seed=8)
             keys = a("keys", name="nowait", tokens=seq)["keys"]
@@ -103,13 +104,15 @@ def test_a_copy_past_the_lease_ttl_loads_nothing(workers: dict[str, Worker]) -> 
 
 
 def test_a_copy_past_the_margin_waits_for_its_release(workers: dict[str, Worker]) -> None:
-    """A copy that ends after (Match sent + TTL - margin) but within the TTL: the get waits
-    for its Release, which finds the lease valid: the pages load."""
+    """(`lookup: match`: the get copies under the exists' lease.) A copy that ends after
+    (Match sent + TTL - margin) but within the TTL: the get waits for its Release, which finds
+    the lease valid: the pages load."""
     a, b = workers["A"], workers["B"]
     with running_server(num_blocks=16) as server:
         a("open", name="margin", socket=server.socket)
         # a 5 s lease and a 4.7 s margin: a copy of 0.5 s ends past the unwaited limit
-        b("open", name="margin", socket=server.socket, extra={"release_margin_s": 4.7})
+        b("open", name="margin", socket=server.socket,
+          extra={"release_margin_s": 4.7, "lookup": "match"})
         seq = tokens(43_000, 3)
         wrote = a("write", name="margin", tokens=seq, seed=3)
         keys = a("keys", name="margin", tokens=seq)["keys"]
