@@ -91,9 +91,9 @@ class OwnedSegment:
         self._finalizer()
 
 
-def map_readonly(name: str, nbytes: int, shm_dir: str = SHM_DIR) -> mmap.mmap:
+def map_readonly(name: str, nbytes: int, shm_dir: str = SHM_DIR) -> tuple[mmap.mmap, int]:
     """A read-only mapping of segment `name` (StalePool if it is gone or shorter than
-    `nbytes`)."""
+    `nbytes`) and a descriptor of it, kept open for `owner_alive` (the caller closes it)."""
     if not SEGMENT_NAME_RE.fullmatch(name):
         raise InvalidArgument(f"segment name {name!r} is not a plain file name")
     path = os.path.join(shm_dir, name)
@@ -108,6 +108,19 @@ def map_readonly(name: str, nbytes: int, shm_dir: str = SHM_DIR) -> mmap.mmap:
     try:
         if os.fstat(fd).st_size < nbytes:
             raise StalePool(f"shared-memory segment {name!r} is shorter than {nbytes} bytes")
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ), fd
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def owner_alive(fd: int) -> bool:
+    """Whether the owner of the segment open as `fd` still holds its lock (it does for its
+    whole life; the kernel drops it the moment the owner dies, SIGKILL included): one
+    non-blocking flock, about a microsecond."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False

@@ -298,8 +298,11 @@ def vllm_ttft(r: dict[str, Any]) -> list[str]:
            f"processes (docs/vllm.md): engine B loads through radixkv the prefix engine A "
            f"stored; `{r['model']}` in bf16, block size {r['block_size']}, every engine pinned "
            f"to CPU {r['cpu']}, {r['loads']} loads; medians of {r['repeat']} prompts per share. "
-           "The connectors' own costs: radixkv's Match plus the forward's wait for its load; "
-           "ExampleConnector's lookup plus the files it loads and writes inside the forward.", ""]
+           "The connectors' own costs: radixkv's "
+           + ("lookup (its lookup table read on the scheduler, the worker's pin)"
+              if r.get("lookup") == "table" else "Match")
+           + " plus the forward's wait for its load; ExampleConnector's lookup plus the files "
+           "it loads and writes inside the forward.", ""]
     out += table(["shared", "radixkv hits (tokens)", "TTFT B through radixkv", "no cache",
                   "vLLM prefix cache", "ExampleConnector (its hits)", "B / no cache",
                   "B / vLLM cache", "B / Example", "radixkv connector (share of TTFT)",
@@ -320,6 +323,12 @@ def vllm_ttft(r: dict[str, Any]) -> list[str]:
                        "vllm_prefix_cache_outputs_identical"))]
                   for row in r["rows"]))
     goals = goals_met(r["goals"])
+    if "scheduler_us_p99" in r["rows"][0]:
+        out += ["", "The connector's time on vLLM's scheduler thread per new request (its "
+                "lookup): " + "; ".join(f"{row['shared_pct']} % shared p50 "
+                                        f"{row['scheduler_us_p50']:,.0f} us, p99 "
+                                        f"{row['scheduler_us_p99']:,.0f} us"
+                                        for row in r["rows"]) + "."]
     out += ["", f"Goals ({r['goal_text']}): {goals}. Load average at the end "
             f"{', '.join(f'{x:.2f}' for x in r['load_average'])}; the bench ran "
             f"{r['wall_s'] / 60:.0f} min."]
@@ -361,6 +370,14 @@ def rpc_latency(r: dict[str, Any]) -> list[str]:
                 f"requests per second {q['batched_over_unbatched_requests_per_s']:.1f}x; two / "
                 f"four round trips {q['cycle_two_over_four_1']:.2f}x with 1 client, "
                 f"{q['cycle_two_over_four_n']:.2f}x with N."]
+        if "peek_4k" in cases:
+            p, m = cases["peek_4k"], cases["match_4k"]
+            out += ["", f"The lookup table ({t} run; no call): `Client.peek` of a 4,096-token "
+                    f"prompt (256 blocks) p50 {p['p50_us']:.1f} us, p99 {p['p99_us']:.1f} us, "
+                    f"bucket reads redone {p['retry_pct']:.2f} %, against a Match of the same "
+                    f"prompt p50 {m['p50_us']:,.0f} us, p99 {m['p99_us']:,.0f} us, interleaved, "
+                    f"while another process inserted {num(round(cases['inserted_blocks_per_s']))}"
+                    f" blocks / s; {cases['wrong_answers']} answers differed from the Match's."]
     aio = [k for k in r if k.startswith("aio_")]
     for key in aio:
         t = key.removeprefix("aio_")

@@ -15,15 +15,13 @@ import contextlib
 import ctypes
 import os
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.handle import pid_alive
-from kvpool.segment import map_readonly
+from kvpool.segment import map_readonly, owner_alive
 from radixkv.protocol.block_hashes import (
     Keys,
     namespace_salt,
@@ -40,7 +38,6 @@ from radixkv.table.table_format import BUCKET_WORDS, WAYS
 # read spins (a pause between reads: ~30 us in all), numpy's reads all buckets again each time
 SPINS = 1024
 TRIES = 8
-OWNER_CHECK_S = 0.1  # how often a reader checks that the writer lives
 _ONE = np.uint64(1)
 _ID_MASK = np.uint64(0xFFFFFFFF)
 
@@ -69,7 +66,7 @@ class TableReader:
         if not L.supported():
             raise Unavailable("the lookup table is read only on x86-64 (its read protocol "
                               "relies on that machine's memory ordering)")
-        self.mm = map_readonly(name, nbytes)
+        self.mm, self._fd = map_readonly(name, nbytes)
         words = np.frombuffer(self.mm, np.uint64)
         if words[L.H_MAGIC] != L.MAGIC or words[L.H_VERSION] != L.VERSION:
             raise Unavailable(f"shared-memory segment {name!r} is not a radixkv lookup table "
@@ -83,7 +80,6 @@ class TableReader:
         self._buckets = words[L.HEADER_BYTES // 8:].reshape(-1, BUCKET_WORDS)
         self._seq = self._buckets[:, 0]
         self._mask = np.uint64(len(self._buckets) - 1)
-        self._checked = 0.0
         self.reads = 0
         self.bucket_reads = 0
         self.retries = 0  # bucket reads redone because the writer was changing them
@@ -91,17 +87,14 @@ class TableReader:
         self._native = _Native(self._buckets, epoch) if peek_function() is not None else None
 
     def check_live(self) -> None:
-        """StalePool once the writer closed the table or died (checked at most every
-        OWNER_CHECK_S)."""
+        """StalePool once the writer closed the table or died (its lock on the segment is
+        gone: checked at every read)."""
         if self.header[L.H_STATE] != L.LIVE:
             raise StalePool(f"the lookup table of pool epoch {self.epoch} is closed: the "
                             "service stopped or restarted")
-        now = time.monotonic()
-        if now - self._checked > OWNER_CHECK_S:
-            if self.owner_pid != os.getpid() and not pid_alive(self.owner_pid):
-                raise StalePool(f"the service (pid {self.owner_pid}) that wrote the lookup "
-                                f"table of pool epoch {self.epoch} is gone")
-            self._checked = now
+        if not owner_alive(self._fd):
+            raise StalePool(f"the service (pid {self.owner_pid}) that wrote the lookup "
+                            f"table of pool epoch {self.epoch} is gone")
 
     @property
     def sequence(self) -> int:
@@ -162,6 +155,8 @@ class TableReader:
         """Unmap (once the arrays over the mapping are gone)."""
         self.header = self._seq = self._buckets = None  # type: ignore[assignment]
         self._native = None
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
         with contextlib.suppress(BufferError):
             self.mm.close()
 

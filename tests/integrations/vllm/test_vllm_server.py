@@ -235,11 +235,13 @@ def two_requests(api: ApiServer, first: list[int], second: list[int]) -> dict[st
 
 
 def test_lease_expiring_during_a_long_prefill_inserts_no_wrong_kv(setup: Setup) -> None:
-    """radixkv with a 0.05 s lease TTL. A request's store is planned at its end (Match with
-    allocation: a lease on the new blocks) and runs after the next step's forward, here a
-    256-token prefill chunk of another request, which outlasts the lease: the worker finds it
-    expired and stores nothing (a logged warning). Whatever radixkv did store is byte-identical
-    to a clean run's (the same two requests, default TTL), and the answers are the clean run's."""
+    """radixkv with a 0.05 s lease TTL. A request's store is planned at its end from the lookup
+    table and runs after the next step's forward, here a 256-token prefill chunk of another
+    request: the worker's Match with allocation takes the lease then and renews it for its copy
+    (with `lookup: match` the scheduler's lease outlasts its TTL instead, and the worker stores
+    nothing: tests/integrations/vllm/test_vllm_table.py). Whatever radixkv stored is
+    byte-identical to a clean run's (the same two requests, default TTL), and the answers are
+    the clean run's."""
     api = setup.api
     assert api is not None
     first = [100 + (i * 7919) % 30000 for i in range(6 * BLOCK + 40)]
@@ -252,11 +254,9 @@ def test_lease_expiring_during_a_long_prefill_inserts_no_wrong_kv(setup: Setup) 
     assert [len(v) for v in reference.values()] == [6, 5]
     setup.serve("--lease-ttl", "0.05")  # leases of 0.05 s, swept every 0.05 s
     time.sleep(0.6)
-    before = api.output().count("was not stored")
     answers = two_requests(api, first, second)
     time.sleep(1.0)  # a store runs a step after its request's end
     assert answers == clean
-    assert api.output().count("was not stored") > before, "no lease expired"
     for name, tokens in (("first", first), ("second", second)):
         stored = setup.block_bytes(tokens)
         assert stored == reference[name][:len(stored)]
