@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from kvpool import reclaim_stale_segments
 from kvpool.segment import OwnedSegment
 from radixkv.service.events import KVEvent
 from radixkv.table import table_format as L
@@ -24,6 +25,7 @@ class TableWriter:
     def __init__(self, entries: int, block_size: int, epoch: str,
                  prefix: str = "radixkv", mode: int = 0o600) -> None:
         self.num_buckets = L.num_buckets_for(entries)
+        reclaim_stale_segments(prefix)  # a killed service's table (a CUDA pool reclaims no slab)
         self.segment = OwnedSegment(L.table_bytes(self.num_buckets), prefix, mode)
         self._words = memoryview(self.segment.mm).cast("Q")
         self._mask = self.num_buckets - 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import tempfile
 
 import numpy as np
@@ -179,6 +180,21 @@ def test_full_bucket_drops_the_key_as_a_miss():
     assert reader.lookup(np.asarray(keys[-1:], np.uint64))[0] == 1
     reader.close()
     table.close()
+
+
+def test_a_killed_services_table_is_reclaimed_by_the_next_table():
+    """A table segment whose owner died (pid gone, flock free) is unlinked when the next table
+    of that prefix is made, whatever the pool's backend."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    stale = f"/dev/shm/rkvtest-table-{done.pid}-{'c' * 32}"
+    with open(stale, "wb"):
+        pass
+    table = TableWriter(8, BS, "e" * 32, prefix="rkvtest-table")
+    assert not os.path.exists(stale)
+    assert os.path.exists(table.segment.path)
+    table.close()
+    assert not os.path.exists(table.segment.path)
 
 
 def test_reader_refuses_another_epochs_table(svc):
