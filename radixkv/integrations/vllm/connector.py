@@ -80,7 +80,7 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         is_scheduler = role == KVConnectorRole.SCHEDULER
         self._link = Link(
             extra.get("socket"), f"vllm-{self._kv_transfer_config.engine_id}",
-            check=lambda client: self._check(client, layout, flags),
+            check=lambda client: check_layout(client, layout, flags),
             timeout=float(extra.get("timeout", 5.0)), retry_s=float(extra.get("retry_s", 1.0)),
             what="vLLM scheduler" if is_scheduler else "vLLM worker", logger=log)
         self._scheduler: SchedulerSide | None = None
@@ -99,13 +99,6 @@ class RadixKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.info("radixkv connector (%s) at %s: pool layout fits (%s)",
                      "scheduler" if is_scheduler else "worker",
                      extra.get("socket") or "the default socket", flags)
-
-    def _check(self, client: Any, layout: Any, flags: str) -> None:
-        """At each contact with a new radixkv pool: its layout fits, and whether its member
-        fetches from peers (then the scheduler asks with a Match where the table misses)."""
-        check_layout(client, layout, flags)
-        if self._scheduler is not None:
-            self._scheduler.peer_fetch = client.pool_info().peer_fetch
 
     # ---- worker side -------------------------------------------------------------------------
 

@@ -122,6 +122,7 @@ class SchedulerSide:
         self._saves: list[Save] = []
         self._asking: dict[str, float] = {}  # request id -> when its first Match was asked
         self.peer_fetch = False  # radixkv's member fetches from peers: misses ask with a Match
+        self._epoch_seen = ""  # the pool epoch whose PoolInfo said whether it does
         self.use_table = use_table  # False: every lookup is a Match (`lookup: match`)
 
     def _release(self, lease_id: int) -> None:
@@ -170,7 +171,8 @@ class SchedulerSide:
 
     def _peek(self, ns: str, tokens: Sequence[int]) -> Peek | None:
         """The table's answer, or None where there is none to read (ask with a Match). A pool
-        epoch new to the link has its layout checked first (one call, then none)."""
+        epoch new here has its layout checked first, and whether its member fetches from
+        peers read (one call each, then none)."""
         if not self.use_table:
             return None
 
@@ -180,6 +182,9 @@ class SchedulerSide:
             except Unavailable:  # no table published, or radixkv gone (the Match says which)
                 return None
             self.link.check_answer(c, peek.epoch)
+            if peek.epoch != self._epoch_seen:
+                self.peer_fetch = c.pool_info().peer_fetch
+                self._epoch_seen = peek.epoch
             return peek
 
         try:
