@@ -3,13 +3,11 @@ service restarts, read with no call (radixkv/table/reader.py)."""
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from radixkv.protocol.errors import InvalidArgument, StalePool, Unavailable
+from radixkv.protocol.errors import StalePool, Unavailable
+from radixkv.protocol.tokens import to_token_bytes
 from radixkv.protocol.values import PoolInfo
 from radixkv.table.reader import Peek, TableReader
 
@@ -42,7 +40,8 @@ class Peeks:
             return fn(self._reader(True))
 
     def tokens(self, namespace: str, tokens: Any) -> Peek:
-        return self.read(lambda r: r.peek(namespace, token_array(tokens)))
+        data = to_token_bytes(tokens)
+        return self.read(lambda r: r.peek(namespace, data))
 
     def keys(self, namespace: str, keys: Sequence[bytes]) -> Peek:
         return self.read(lambda r: r.peek_keys(namespace, keys))
@@ -52,19 +51,3 @@ class Peeks:
             self.reader.close()
             self.reader = None
 
-
-def token_array(tokens: Any) -> np.ndarray[Any, np.dtype[np.uint32]]:
-    """Tokens (a uint32 array, little-endian bytes, or a sequence of ints) as a uint32 array."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.dtype != np.uint32:
-            if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
-                raise InvalidArgument("token ids must be within 0..2**32-1")
-        return np.asarray(tokens, np.uint32)
-    if isinstance(tokens, (bytes, bytearray, memoryview)):
-        if len(tokens) % 4:
-            raise InvalidArgument(f"token bytes must be whole uint32s, got {len(tokens)} bytes")
-        return np.frombuffer(tokens, "<u4")
-    try:
-        return np.frombuffer(array.array("I", tokens), np.uint32)
-    except (OverflowError, TypeError) as e:
-        raise InvalidArgument(f"token ids must be ints within 0..2**32-1: {e}") from None

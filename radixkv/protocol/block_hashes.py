@@ -111,10 +111,7 @@ def token_keys(namespace: str, tokens: npt.NDArray[np.uint32], block_size: int) 
 
 def path_keys(namespace: str, keys: Sequence[bytes]) -> Keys:
     """The table keys of a key path (one engine key per block, all of one size, a multiple of
-    4 bytes) in key-keyed `namespace`."""
+    4 bytes) in key-keyed `namespace`: each key hashed as a block of key_size / 4 uint32s."""
     if not keys:
         return np.empty(0, np.uint64)
-    words = len(keys[0]) // 4
-    rows = np.frombuffer(b"".join(keys), "<u4").reshape(len(keys), words).astype(np.uint64)
-    contents = rows @ position_keys(words)
-    return chain(_salt_u64(namespace), contents)
+    return token_keys(namespace, np.frombuffer(b"".join(keys), "<u4"), len(keys[0]) // 4)

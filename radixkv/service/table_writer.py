@@ -30,7 +30,6 @@ class TableWriter:
         self._words = memoryview(self.segment.mm).cast("Q")
         self._mask = self.num_buckets - 1
         self._where: dict[int, int] = {}  # key -> its word index (the way's key word)
-        self._free = [WAYS] * self.num_buckets  # empty ways per bucket
         self._keys_of: dict[str, set[int]] = {}  # namespace -> its keys (for a Clear)
         self.overflows = 0  # keys dropped because their bucket was full
         w = self._words
@@ -53,11 +52,10 @@ class TableWriter:
         bucket = key & self._mask
         base = L.HEADER_BYTES // 8 + bucket * BUCKET_WORDS
         if at is None:
-            if not self._free[bucket]:
+            at = next((i for i in range(base + 1, base + 1 + WAYS) if w[i] == 0), None)
+            if at is None:  # the bucket is full
                 self.overflows += 1
                 return
-            at = next(i for i in range(base + 1, base + 1 + WAYS) if w[i] == 0)
-            self._free[bucket] -= 1
             self._where[key] = at
             self._keys_of.setdefault(namespace, set()).add(key)
         w[base] += 1  # odd: readers retry
@@ -79,7 +77,6 @@ class TableWriter:
         w[at + WAYS] = 0
         w[at] = 0
         w[base] += 1
-        self._free[bucket] += 1
 
     def clear(self, namespace: str) -> None:
         for key in list(self._keys_of.pop(namespace, ())):

@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -84,7 +85,8 @@ class TableReader:
         self.bucket_reads = 0
         self.retries = 0  # bucket reads redone because the writer was changing them
         self.gave_up = 0  # reads that ended at a bucket still in change after all the tries
-        self._native = _Native(self._buckets, epoch) if peek_function() is not None else None
+        fn = peek_function()
+        self._native = _Native(fn, self._buckets, epoch) if fn is not None else None
 
     def check_live(self) -> None:
         """StalePool once the writer closed the table or died (its lock on the segment is
@@ -177,10 +179,8 @@ class _Native:
     """The compiled read, with scratch buffers at fixed addresses (one read at a time: a lock),
     so a call passes cached pointers instead of asking numpy for each."""
 
-    def __init__(self, buckets: npt.NDArray[np.uint64], epoch: str) -> None:
+    def __init__(self, fn: Any, buckets: npt.NDArray[np.uint64], epoch: str) -> None:
         self.epoch = epoch
-        fn = peek_function()
-        assert fn is not None
         self.fn = fn
         self.lock = threading.Lock()
         self.buckets = buckets.ctypes.data
